@@ -1,0 +1,1 @@
+"""Ray actors of a job (Coordinator, TrainWorker): built in the Ray actor-groups issue."""

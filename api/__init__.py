@@ -1,0 +1,1 @@
+"""FastAPI control plane: built in the control-plane issue."""

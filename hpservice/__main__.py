@@ -1,0 +1,5 @@
+import sys
+
+from hpservice.cli import main
+
+sys.exit(main())

@@ -1,0 +1,28 @@
+"""hpservice.dtensor: distributed tensors on a DeviceMesh, built on torch.distributed collectives.
+
+Same names and semantics as ``torch.distributed.tensor`` where they overlap, so switching is a
+change of import::
+
+    from hpservice.dtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+"""
+
+from . import random
+from ._api import DTensor, distribute_tensor
+from ._layout import DTensorSpec
+from ._redistribute import plan_redistribution
+from .device_mesh import DeviceMesh, init_device_mesh
+from .placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "DTensor",
+    "DTensorSpec",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "distribute_tensor",
+    "init_device_mesh",
+    "plan_redistribution",
+    "random",
+]

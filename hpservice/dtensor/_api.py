@@ -1,0 +1,277 @@
+"""DTensor: a torch.Tensor subclass that holds one rank's piece of a global tensor.
+
+The wrapper has the *global* shape, dtype and device; the data lives in ``_local_tensor``
+(this rank's piece, per ``_spec``: mesh + placements + global shape). Autograd runs on the
+wrapper; operators reach ``__torch_dispatch__`` (``_dispatch.py``), which runs them on the
+local tensors. ``from_local``, ``to_local``, ``redistribute`` and ``full_tensor`` are autograd
+functions, so gradients flow back with the matching placements (as in torch's DTensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives as C
+from ._layout import DTensorSpec, local_shard_size_and_offset, normalize_placements, replicate_all
+from ._redistribute import execute_plan, plan_redistribution
+from .device_mesh import DeviceMesh
+from .placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = ["DTensor", "distribute_tensor"]
+
+
+class DTensor(torch.Tensor):
+    """A global tensor sharded/replicated/partial over a DeviceMesh; see ``placements``."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            spec.shape,
+            strides=spec.stride,
+            dtype=local_tensor.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        r._pending = None
+        return r
+
+    # ---- metadata ------------------------------------------------------------------------
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (
+            f"DTensor(local_tensor={self._wait_local()}, device_mesh={self.device_mesh}, "
+            f"placements={self.placements})"
+        )
+
+    def _wait_local(self) -> torch.Tensor:
+        """The local tensor, waiting first if an async redistribution produced it."""
+        if self._pending is not None:
+            self._local_tensor = self._pending.wait()
+            self._pending = None
+        return self._local_tensor
+
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
+        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=inner_tensors["_local_tensor"].requires_grad)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from ._dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # ---- conversions -----------------------------------------------------------------------
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        run_check: bool = False,
+        shape: torch.Size | Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> DTensor:
+        """Wrap this rank's piece. Without ``shape`` the global shape of sharded dims is found by
+        gathering the local sizes (exact for uneven shards; never "local size x ranks")."""
+        if device_mesh is None:
+            raise ValueError("DTensor.from_local: device_mesh is required")
+        if isinstance(local_tensor, DTensor):
+            raise TypeError("DTensor.from_local: expected a torch.Tensor, got a DTensor")
+        placements = normalize_placements(
+            placements if placements is not None else replicate_all(device_mesh), device_mesh, local_tensor.ndim
+        )
+        if local_tensor.device.type != device_mesh.device_type and local_tensor.device.type != "meta":
+            local_tensor = local_tensor.to(device_mesh.device_type)
+        if shape is None:
+            shape = _global_shape(local_tensor.shape, device_mesh, placements)
+        elif run_check:
+            expected = DTensorSpec(device_mesh, placements, tuple(shape)).local_shape
+            if tuple(local_tensor.shape) != expected:
+                raise ValueError(f"from_local: local shape {tuple(local_tensor.shape)} != {expected} for shape {tuple(shape)}")
+        spec = DTensorSpec(device_mesh, placements, tuple(shape), tuple(stride) if stride is not None else None)
+        if torch.is_grad_enabled() and local_tensor.requires_grad:
+            return _FromLocal.apply(local_tensor, spec)
+        return DTensor(local_tensor, spec, requires_grad=False)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's piece; differentiable (the gradient comes back with ``grad_placements``,
+        default this tensor's placements)."""
+        if not torch.is_grad_enabled() or not self.requires_grad:
+            return self._wait_local()
+        return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> DTensor:
+        """A new DTensor with ``placements`` on ``device_mesh`` (same global value); this one is unchanged."""
+        mesh = device_mesh if device_mesh is not None else self._spec.mesh
+        if placements is None:
+            raise ValueError("redistribute: placements is required")
+        placements = normalize_placements(placements, mesh, self.ndim)
+        if mesh == self._spec.mesh and placements == self._spec.placements:
+            return self
+        dst = self._spec.with_placements(placements) if mesh == self._spec.mesh else DTensorSpec(mesh, placements, self._spec.shape, self._spec.stride)
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Redistribute.apply(self, dst, async_op)
+        return _redistribute(self, dst, async_op)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
+        return self.redistribute(self._spec.mesh, replicate_all(self._spec.mesh)).to_local(grad_placements=grad_placements)
+
+
+def _redistribute(src: DTensor, dst: DTensorSpec, async_op: bool) -> DTensor:
+    steps = plan_redistribution(src._spec, dst)
+    local = execute_plan(src._wait_local(), steps, src._spec, async_op=async_op)
+    if isinstance(local, C.Pending):
+        out = DTensor(torch.empty(0, dtype=src.dtype, device=src.device), dst, requires_grad=False)
+        out._pending = local
+        return out
+    return DTensor(local, dst, requires_grad=False)
+
+
+def _grad_placements(forward: Sequence[Placement], grad: Sequence[Placement]) -> tuple[Placement, ...]:
+    """The gradient of a Partial input is Replicate (d global / d local is the identity on each rank)."""
+    return tuple(Replicate() if f.is_partial() and not g.is_partial() else f for f, g in zip(forward, grad, strict=True))
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        target = ctx.spec.with_placements(_grad_placements(ctx.spec.placements, grad.placements))
+        if grad._spec != target:
+            grad = _redistribute(grad, grad._spec.with_placements(target.placements), False)
+        return grad._wait_local(), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt: DTensor, grad_placements):
+        ctx.spec = dt._spec if grad_placements is None else dt._spec.with_placements(
+            normalize_placements(grad_placements, dt._spec.mesh, dt.ndim)
+        )
+        local = dt._wait_local()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return DTensor(grad, ctx.spec, requires_grad=False), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt: DTensor, dst: DTensorSpec, async_op: bool):
+        ctx.src = dt._spec
+        return _redistribute(dt, dst, async_op)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        target = ctx.src.with_placements(_grad_placements(ctx.src.placements, grad.placements))
+        if grad._spec.placements != target.placements:
+            grad = _redistribute(grad, grad._spec.with_placements(target.placements), False)
+        return grad, None, None
+
+
+def _global_shape(local_shape, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, ...]:
+    """Exact global shape from local shapes: sum the local sizes over each sharding mesh dim,
+    innermost first (one small all-gather per sharded mesh dim)."""
+    shape = list(local_shape)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        p = placements[mesh_dim]
+        if not isinstance(p, Shard):
+            continue
+        group = mesh.get_group(mesh_dim)
+        k = mesh.size(mesh_dim)
+        mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=_comm_device(mesh))
+        sizes = torch.empty(k, dtype=torch.int64, device=mine.device)
+        C._all_gather_single(sizes, mine, group=group)
+        sizes = sizes.tolist()
+        total = sum(sizes)
+        expected = [local_shard_size_and_offset(total, k, j)[0] for j in range(k)]
+        if sizes != expected:
+            raise ValueError(
+                f"from_local: local sizes {sizes} of dim {p.dim} over mesh dim {mesh_dim} are not torch.chunk "
+                f"pieces of {total} (expected {expected}); pass shape= for custom layouts"
+            )
+        shape[p.dim] = total
+    return tuple(shape)
+
+
+def _comm_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Distribute a full tensor. With ``src_data_rank`` (a group rank, default 0) the data of
+    that rank is scattered/broadcast along each mesh dim; with None every rank slices its own
+    copy locally, without communication. The result is a leaf (``requires_grad`` as ``tensor``)."""
+    if device_mesh is None:
+        raise ValueError("distribute_tensor: device_mesh is required")
+    if isinstance(tensor, DTensor):
+        raise TypeError("distribute_tensor: tensor is already a DTensor; use redistribute")
+    mesh = device_mesh
+    placements = normalize_placements(placements if placements is not None else replicate_all(mesh), mesh, tensor.ndim)
+    coord = mesh._coordinate
+    if coord is None:
+        raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
+    local, fresh = tensor.detach(), False
+    if local.device.type != mesh.device_type:
+        local, fresh = local.to(_comm_device(mesh)), True
+    for mesh_dim, p in enumerate(placements):
+        k, index = mesh.size(mesh_dim), coord[mesh_dim]
+        if src_data_rank is not None and not local.is_meta:
+            group = mesh.get_group(mesh_dim)
+            fresh = True
+            if isinstance(p, Shard):
+                local = C.scatter(local, p.dim, group, src_data_rank, index)
+                continue
+            local = C.broadcast(local, group, src_data_rank)
+        if isinstance(p, Shard):
+            size, start = local_shard_size_and_offset(local.size(p.dim), k, index)
+            local = local.narrow(p.dim, start, size)
+        elif isinstance(p, Partial) and p.reduce_op == "sum" and index != 0:
+            local, fresh = torch.zeros_like(local), True
+    if not fresh or not local.is_contiguous():
+        # Never alias the caller's tensor: in-place updates of the DTensor must not reach it.
+        local = local.clone(memory_format=torch.contiguous_format)
+    spec = DTensorSpec(mesh, placements, tuple(tensor.shape))
+    return DTensor(local, spec, requires_grad=tensor.requires_grad)

@@ -1,0 +1,181 @@
+"""Pure communication functions on local tensors, one per redistribution step kind.
+
+Each function takes the local tensor and the process group of one mesh dim and returns a
+``Pending``: the collective is issued asynchronously and ``Pending.wait()`` waits on it and
+applies the local post-processing (unpadding, moving the gathered dim into place). The
+synchronous path is ``fn(...).wait()``; async redistribution keeps the ``Pending`` and waits
+on first use.
+
+Uneven shards follow ``torch.chunk``: each piece is padded to the chunk size ``ceil(n / k)``
+for the collective (collectives need equal sizes), and since the real pieces are full chunks
+followed by one short one and empties, the valid data after a gather is simply the first
+``n`` elements along the dim.
+
+No function mutates its input unless told it owns it (``owned=True``), so redistributing a
+DTensor never changes its source (AUDIT 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Pending:
+    """An issued collective plus the local work to finish its result."""
+
+    __slots__ = ("_work", "_finish", "_result")
+
+    def __init__(self, work, finish: Callable[[], torch.Tensor]):
+        self._work, self._finish, self._result = work, finish, None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            self._work = self._finish = None
+        return self._result
+
+
+def done(tensor: torch.Tensor) -> Pending:
+    p = Pending(None, None)
+    p._result = tensor
+    return p
+
+
+def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``x`` along ``dim`` up to ``size`` (returns ``x`` itself when already that size)."""
+    missing = size - x.size(dim)
+    if missing == 0:
+        return x
+    pad = [0, 0] * (x.ndim - dim - 1) + [0, missing]
+    return F.pad(x, pad)
+
+
+def _native_avg(group: dist.ProcessGroup) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+def _prepare_reduction(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup, owned: bool):
+    """Return (buffer to reduce in place, torch ReduceOp, finish(buffer) -> result).
+
+    ``avg`` uses the backend's AVG where it has one (NCCL). Elsewhere it sums and divides, and
+    fp16/bf16 are summed in fp32 first: summing then dividing in low precision overflows
+    (e.g. 4 x 60000 in fp16) and pre-dividing rounds twice.
+    """
+    if reduce_op == "avg" and not _native_avg(group):
+        n = dist.get_world_size(group)
+        dtype = x.dtype
+        if dtype in _LOW_PRECISION:
+            buf = x.to(torch.float32)
+            return buf, dist.ReduceOp.SUM, lambda b: b.div_(n).to(dtype)
+        buf = x if owned else x.clone()
+        return buf, dist.ReduceOp.SUM, lambda b: b.div_(n) if b.is_floating_point() else b.div_(n, rounding_mode="floor")
+    op = dist.ReduceOp.AVG if reduce_op == "avg" else _REDUCE_OPS[reduce_op]
+    return (x if owned else x.clone()), op, lambda b: b
+
+
+def all_reduce(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup, *, owned: bool = False) -> Pending:
+    """Partial -> Replicate on one mesh dim."""
+    buf, op, finish = _prepare_reduction(x.contiguous(), reduce_op, group, owned)
+    work = dist.all_reduce(buf, op=op, group=group, async_op=True)
+    return Pending(work, lambda: finish(buf))
+
+
+def all_gather(x: torch.Tensor, dim: int, full_size: int, group: dist.ProcessGroup) -> Pending:
+    """Shard(dim) -> Replicate on one mesh dim: the result has ``full_size`` along ``dim``."""
+    k = dist.get_world_size(group)
+    chunk = -(-full_size // k)
+    src = _pad_dim(x, dim, chunk).contiguous()
+    # Collectives concatenate along dim 0: gather (k * d0, ...) and view it as (k, d0, ...).
+    out = src.new_empty((k * src.size(0),) + tuple(src.shape[1:]))
+    work = _all_gather_single(out, src, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        y = out if dim == 0 else out.view((k,) + tuple(src.shape)).movedim(0, dim).flatten(dim, dim + 1)
+        return y if y.size(dim) == full_size else y.narrow(dim, 0, full_size)
+
+    return Pending(work, finish)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.ProcessGroup, index: int) -> Pending:
+    """Partial -> Shard(dim) on one mesh dim: one reduce-scatter; ``index`` is this rank's chunk."""
+    k = dist.get_world_size(group)
+    full_size = x.size(dim)
+    chunk = -(-full_size // k)
+    padded = _pad_dim(x, dim, chunk * k)
+    # Chunk j of dim must be the j-th contiguous block: (.., k*c, ..) -> (k, .., c, ..).
+    src = padded if dim == 0 else padded.unflatten(dim, (k, chunk)).movedim(dim, 0)
+    # The collective reads its input and writes ``out``: no copy of ``x`` is needed.
+    buf, op, finish = _prepare_reduction(src.contiguous(), reduce_op, group, owned=True)
+    if dim == 0:
+        out = buf.new_empty((chunk,) + tuple(buf.shape[1:]))
+    else:  # (k, d0, ..., c, ...) -> (k * d0, ..., c, ...): the collective splits dim 0 in k
+        out = buf.new_empty(tuple(buf.shape[1:]))
+        buf = buf.flatten(0, 1)
+    work = _reduce_scatter_single(out, buf, op=op, group=group, async_op=True)
+    size = max(0, min(chunk, full_size - index * chunk))
+
+    def finish_rs() -> torch.Tensor:
+        y = finish(out)
+        return y if size == chunk else y.narrow(dim, 0, size)
+
+    return Pending(work, finish_rs)
+
+
+def all_to_all(
+    x: torch.Tensor, src_dim: int, dst_dim: int, src_full: int, group: dist.ProcessGroup, index: int
+) -> Pending:
+    """Shard(src_dim) -> Shard(dst_dim) on one mesh dim with one all-to-all (works on gloo).
+
+    Before: ``src_dim`` holds this rank's chunk of ``src_full``, ``dst_dim`` is whole.
+    After: ``src_dim`` is whole (``src_full``), ``dst_dim`` holds chunk ``index``.
+    """
+    k = dist.get_world_size(group)
+    dst_full = x.size(dst_dim)
+    c_src, c_dst = -(-src_full // k), -(-dst_full // k)
+    y = _pad_dim(_pad_dim(x, src_dim, c_src), dst_dim, c_dst * k)
+    # (.., k*c_dst, ..) -> (k, ..., c_dst, ...): piece j goes to rank j; other dims keep their index + 1.
+    send = y.unflatten(dst_dim, (k, c_dst)).movedim(dst_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    dst_size = max(0, min(c_dst, dst_full - index * c_dst))
+
+    def finish() -> torch.Tensor:
+        # recv[j] is rank j's chunk of src_dim: put the k axis just before src_dim and merge.
+        z = recv.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
+        if z.size(src_dim) != src_full:
+            z = z.narrow(src_dim, 0, src_full)
+        return z if dst_size == c_dst else z.narrow(dst_dim, 0, dst_size)
+
+    return Pending(work, finish)
+
+
+def broadcast(x: torch.Tensor, group: dist.ProcessGroup, group_src: int) -> torch.Tensor:
+    """Return group rank ``group_src``'s ``x`` on every rank (``x`` itself is not written)."""
+    buf = x.contiguous().clone()
+    dist.broadcast(buf, group=group, group_src=group_src)
+    return buf
+
+
+def scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, group_src: int, index: int) -> torch.Tensor:
+    """Group rank ``group_src`` cuts ``x`` along ``dim`` (torch.chunk sizes) and sends chunk j to rank j."""
+    k = dist.get_world_size(group)
+    full_size = x.size(dim)
+    chunk = -(-full_size // k)
+    padded = _pad_dim(x, dim, chunk * k)
+    pieces = [p.contiguous() for p in padded.split(chunk, dim)] if chunk > 0 else [padded.contiguous()] * k
+    out = torch.empty_like(pieces[0])
+    dist.scatter(out, pieces if dist.get_rank(group) == group_src else None, group=group, group_src=group_src)
+    size = max(0, min(chunk, full_size - index * chunk))
+    return out if size == chunk else out.narrow(dim, 0, size)

@@ -1,0 +1,196 @@
+"""Operator dispatch for DTensor: run supported aten ops on the local tensors.
+
+Supported here (tensor-parallel sharding rules come in a later issue):
+- pointwise ops (``torch.Tag.pointwise``), their in-place forms and ``copy_``/``zero_``/``fill_``/
+  ``_to_copy``: all DTensor operands must share mesh, placements and global shape (fully
+  replicated operands may broadcast); plain-tensor operands must be scalars (0-d);
+- ``_foreach_*`` forms of those ops, element by element, so ``torch.optim`` works with foreach;
+- ``detach``/``alias``, ``*_like`` factories, ``is_same_size``, ``item`` of replicated tensors;
+- random ops (``uniform_``, ``normal_``, ``bernoulli_``, ``native_dropout``...) through the RNG
+  tracker in ``random.py``.
+
+Partial placements only allow ops that commute with the pending reduction (add/sub of two
+Partial operands, scaling by a scalar, negation, copies); anything else would silently give a
+wrong global value, so it raises naming the op and the placements.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._api import DTensor
+from ._layout import DTensorSpec
+
+aten = torch.ops.aten
+
+_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+_ALIAS = {aten.detach.default, aten.alias.default}
+_LAYOUT_OPS = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar, aten._to_copy.default, aten.clone.default}
+# Ops whose result on Partial inputs is still a valid Partial of the result (sum/avg reductions).
+_PARTIAL_SAFE = {"clone", "detach", "alias", "_to_copy", "copy_", "zero_", "neg", "neg_"}
+_PARTIAL_SCALE = {"mul", "mul_", "div", "div_"}
+_PARTIAL_ADD = {"add", "add_", "sub", "sub_"}
+_RANDOM = {"uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_"}
+
+
+def _is_pointwise_name(base: str) -> bool:
+    if base in ("copy", "zero", "fill"):
+        return True
+    packet = getattr(aten, base, None)
+    if packet is None:
+        return False
+    return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+@functools.lru_cache(maxsize=2048)
+def _classify(func) -> str:
+    name = func.overloadpacket.__name__
+    if func in _ALIAS:
+        return "alias"
+    if func in _LIKE:
+        return "like"
+    if func is aten.is_same_size.default:
+        return "same_size"
+    if func is aten._local_scalar_dense.default:
+        return "item"
+    if func is aten.native_dropout.default or name in _RANDOM:
+        return "random"
+    if name.startswith("_foreach_"):
+        return "foreach" if _is_pointwise_name(name[len("_foreach_") :].rstrip("_")) else "unsupported"
+    if torch.Tag.pointwise in func.tags or func in _LAYOUT_OPS:
+        return "pointwise"
+    return "unsupported"
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    kind = _classify(func)
+    if kind == "pointwise":
+        return _pointwise(func, args, kwargs)
+    if kind == "foreach":
+        return _foreach(func, args, kwargs)
+    if kind == "alias":
+        self = args[0]
+        return DTensor(func(self._wait_local()), self._spec, requires_grad=False)
+    if kind == "like":
+        self = args[0]
+        spec = self._spec
+        if spec.has_partial():  # a fresh value is the same on every rank: Replicate, not Partial
+            spec = spec.with_placements(tuple(_replicate_if_partial(p) for p in spec.placements))
+        return DTensor(func(self._wait_local(), *args[1:], **kwargs), spec, requires_grad=False)
+    if kind == "same_size":
+        return tuple(args[0].shape) == tuple(args[1].shape)
+    if kind == "item":
+        self = args[0]
+        if not self._spec.is_replicated():
+            raise _unsupported(func, [self], "item() needs a fully replicated DTensor; call full_tensor() first")
+        return self._wait_local().item()
+    if kind == "random":
+        from .random import random_op
+
+        return random_op(func, args, kwargs)
+    dts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
+    raise _unsupported(func, dts, "this operator has no sharding rule yet")
+
+
+def _replicate_if_partial(p):
+    from .placement_types import Replicate
+
+    return Replicate() if p.is_partial() else p
+
+
+def _unsupported(func, dts, why: str) -> NotImplementedError:
+    placements = ", ".join("(" + ", ".join(map(str, d.placements)) + ")" for d in dts)
+    return NotImplementedError(f"hpservice.dtensor: {func} on DTensor placements [{placements}]: {why}")
+
+
+def _pointwise(func, args: tuple, kwargs: dict):
+    flat, tree = tree_flatten((args, kwargs))
+    spec: DTensorSpec | None = None
+    dts = []
+    for i, a in enumerate(flat):
+        if isinstance(a, DTensor):
+            s = a._spec
+            if spec is None:
+                spec = s
+            elif s is not spec and (s.mesh != spec.mesh or s.placements != spec.placements or s.shape != spec.shape):
+                if not (s.is_replicated() and spec.is_replicated() and s.mesh == spec.mesh):
+                    dts.append(a)
+                    raise _unsupported(
+                        func, dts, "operands need identical placements and shapes; redistribute one of them first"
+                    )
+            dts.append(a)
+            flat[i] = a._wait_local()
+        elif isinstance(a, torch.Tensor) and a.ndim > 0:
+            raise TypeError(
+                f"hpservice.dtensor: {func} mixes a DTensor with a torch.Tensor of shape {tuple(a.shape)}; "
+                "wrap it with DTensor.from_local or distribute_tensor first (0-d tensors are allowed as scalars)"
+            )
+    if spec.has_partial():
+        _check_partial(func, dts, flat)
+    local_args, local_kwargs = tree_unflatten(flat, tree)
+    out = func(*local_args, **local_kwargs)
+    if func._schema.is_mutable and args and isinstance(args[0], DTensor):
+        return args[0]
+    return _wrap(out, spec)
+
+
+def _check_partial(func, dts, flat) -> None:
+    name = func.overloadpacket.__name__
+    ops = {p.reduce_op for d in dts for p in d.placements if p.is_partial()}
+    linear = ops <= {"sum", "avg"}
+    if name in _PARTIAL_SAFE and (linear or name not in ("neg", "neg_")):
+        return
+    if linear and name in _PARTIAL_SCALE and len(dts) == 1 and isinstance(flat[0], torch.Tensor):
+        return
+    if linear and name in _PARTIAL_ADD and len(dts) == 2:
+        return
+    raise _unsupported(func, dts, "not linear in a pending (Partial) reduction; redistribute to Replicate first")
+
+
+def _wrap(out, spec: DTensorSpec):
+    if isinstance(out, torch.Tensor):
+        if tuple(out.shape) == spec.local_shape:
+            return DTensor(out, spec, requires_grad=False)
+        # Only fully replicated operands may broadcast: the local result is the global one.
+        return DTensor(out, DTensorSpec(spec.mesh, spec.placements, tuple(out.shape)), requires_grad=False)
+    if isinstance(out, tuple | list):
+        return type(out)(_wrap(o, spec) for o in out)
+    return out
+
+
+def _foreach(func, args: tuple, kwargs: dict):
+    """Element j of every tensor list must share the layout of ``args[0][j]``."""
+    selves = args[0]
+    specs = [s._spec if isinstance(s, DTensor) else None for s in selves]
+    name = func.overloadpacket.__name__
+
+    def unwrap(value, position):
+        if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+            out = []
+            for j, t in enumerate(value):
+                if isinstance(t, DTensor):
+                    s = t._spec
+                    ref = specs[j]
+                    if ref is None or (s is not ref and (s.placements != ref.placements or s.shape != ref.shape or s.mesh != ref.mesh)):
+                        raise _unsupported(func, [t], f"element {j} of argument {position} has a different layout than self[{j}]")
+                    if s.has_partial() and name not in ("_foreach_zero_", "_foreach_copy_"):
+                        raise _unsupported(func, [t], "foreach ops on Partial DTensors are not supported")
+                    out.append(t._wait_local())
+                elif specs[j] is not None and t.ndim > 0:
+                    raise TypeError(f"hpservice.dtensor: {func} mixes DTensor and torch.Tensor at element {j}")
+                else:
+                    out.append(t)
+            return out
+        if isinstance(value, DTensor):
+            raise _unsupported(func, [value], "a single DTensor operand to a foreach op is not supported")
+        return value
+
+    local_args = [unwrap(a, i) for i, a in enumerate(args)]
+    local_kwargs = {k: unwrap(v, k) for k, v in kwargs.items()}
+    out = func(*local_args, **local_kwargs)
+    if out is None or func._schema.is_mutable:
+        return None if out is None else selves
+    return [DTensor(o, s, requires_grad=False) if s is not None else o for o, s in zip(out, specs, strict=True)]

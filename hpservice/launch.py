@@ -1,0 +1,178 @@
+"""Run a function on N local ranks (gloo on CPU by default) on free loopback ports.
+
+Two ways, same failure model:
+
+- ``run_ranks(fn, world_size, *args)`` spawns fresh processes for one call (demo, benchmarks).
+- ``RankPool(world_size)`` keeps the ranks alive and runs many calls on them (the test suite:
+  starting 8 Python processes that import torch costs seconds of CPU, so it is paid once).
+
+A call returns the per-rank results in rank order. If any rank raises, the call raises
+``RankFailure`` with that rank's traceback; if the call does not finish within ``timeout``
+seconds (e.g. a rank stuck in a collective), the ranks' Python stacks are dumped to stderr, the
+processes are killed and ``RankFailure`` is raised. Nothing can hang the caller.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["RankFailure", "RankPool", "free_port", "run_ranks"]
+
+_GRACE_S = 10.0  # after one rank fails, how long the others get to finish (or fail) too
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised or timed out; the message carries their tracebacks."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results, pg_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    except BaseException:
+        results.put((None, rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call_id, fn, args, kwargs = task
+        try:
+            results.put((call_id, rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((call_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` long-lived ranks in one gloo (or ``backend``) world; see module doc."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", pg_timeout_s: float = 60.0):
+        self.world_size = world_size
+        self.backend = backend
+        self._pg_timeout_s = pg_timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+        self._calls = 0
+
+    def _start(self) -> None:
+        port = free_port()
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            self._ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self.backend, self._tasks[r], self._results, self._pg_timeout_s),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, *args, timeout: float = 120.0, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return results in rank order."""
+        if not self.alive():
+            self.close()
+            self._start()
+        self._calls += 1
+        call_id = self._calls
+        for q in self._tasks:
+            q.put((call_id, fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                cid, rank, ok, value = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if not all(p.is_alive() for p in self._procs):
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                    for r in dead:
+                        errors.setdefault(r, f"rank {r} process died (exit code {self._procs[r].exitcode})")
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+                continue
+            if cid is None:  # failed to join the process group
+                errors[rank] = value
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+            elif cid == call_id:
+                if ok:
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if len(results) == self.world_size:
+            return [results[r] for r in range(self.world_size)]
+        missing = [r for r in range(self.world_size) if r not in results and r not in errors]
+        if missing:
+            self._dump_stacks(missing)
+        self.close()  # ranks may be stuck in a collective: start over next time
+        parts = [f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())]
+        if missing:
+            parts.append(f"--- ranks {missing} did not finish within {timeout:.0f}s (stacks dumped to stderr) ---")
+        raise RankFailure(f"{getattr(fn, '__name__', fn)} failed on {self.world_size} ranks:\n" + "\n".join(parts))
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        for r in ranks:
+            p = self._procs[r]
+            if p.is_alive() and p.pid:
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        self._procs = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.alive():
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=5)
+        self.close()
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", **kwargs) -> list[Any]:
+    """Spawn ``world_size`` fresh ranks, run ``fn`` once on each, tear them down."""
+    with RankPool(world_size, backend=backend) as pool:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
