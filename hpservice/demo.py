@@ -38,13 +38,22 @@ def _tour(mesh_shape: tuple[int, int]) -> list[tuple[str, str, str, bool]]:
         dt = distribute_tensor(full, mesh, src)
         out = dt.redistribute(mesh, dst)
         plan = plan_redistribution(dt._spec, out._spec)
-        rows.append((_fmt(src), _fmt(dst), " -> ".join(type(s).__name__ for s in plan), torch.equal(out.full_tensor(), full)))
+        rows.append(
+            (_fmt(src), _fmt(dst), " -> ".join(type(s).__name__ for s in plan), torch.equal(out.full_tensor(), full))
+        )
     # Partial -> Shard(0): one reduce-scatter; the global value is the sum over ranks.
     local = torch.full((7, 5), float(mesh.get_rank()))
     dt = DTensor.from_local(local, mesh, [Partial(), Partial()])
     out = dt.redistribute(mesh, [Shard(0), Shard(1)])
     total = float(sum(range(mesh.size())))
-    rows.append(("(P(sum), P(sum))", "(S(0), S(1))", "ReduceScatter -> ReduceScatter", torch.equal(out.full_tensor(), torch.full((7, 5), total))))
+    rows.append(
+        (
+            "(P(sum), P(sum))",
+            "(S(0), S(1))",
+            "ReduceScatter -> ReduceScatter",
+            torch.equal(out.full_tensor(), torch.full((7, 5), total)),
+        )
+    )
     # Sharded random init equals the replicated (single-device) init from the same seed.
     random.manual_seed(1234)
     sharded = distribute_tensor(torch.empty(7, 5), mesh, [Shard(0), Shard(1)], src_data_rank=None).uniform_()
@@ -52,7 +61,12 @@ def _tour(mesh_shape: tuple[int, int]) -> list[tuple[str, str, str, bool]]:
     whole = distribute_tensor(torch.empty(7, 5), mesh, [Replicate(), Replicate()], src_data_rank=None).uniform_()
     plan = plan_redistribution(sharded._spec, whole._spec)
     rows.append(
-        ("uniform_ on (S(0), S(1))", "(R, R)", " -> ".join(type(s).__name__ for s in plan), torch.equal(sharded.full_tensor(), whole.to_local()))
+        (
+            "uniform_ on (S(0), S(1))",
+            "(R, R)",
+            " -> ".join(type(s).__name__ for s in plan),
+            torch.equal(sharded.full_tensor(), whole.to_local()),
+        )
     )
     return rows
 

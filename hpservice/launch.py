@@ -14,6 +14,7 @@ processes are killed and ``RankFailure`` is raised. Nothing can hang the caller.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -146,10 +147,8 @@ class RankPool:
         for r in ranks:
             p = self._procs[r]
             if p.is_alive() and p.pid:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
         time.sleep(0.5)
 
     def close(self) -> None:
@@ -172,7 +171,9 @@ class RankPool:
         self.close()
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", **kwargs) -> list[Any]:
+def run_ranks(
+    fn: Callable, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo", **kwargs
+) -> list[Any]:
     """Spawn ``world_size`` fresh ranks, run ``fn`` once on each, tear them down."""
     with RankPool(world_size, backend=backend) as pool:
         return pool.run(fn, *args, timeout=timeout, **kwargs)

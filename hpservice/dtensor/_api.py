@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from . import _collectives as C
 from ._layout import DTensorSpec, local_shard_size_and_offset, normalize_placements, replicate_all
@@ -57,8 +56,7 @@ class DTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (
-            f"DTensor(local_tensor={self._wait_local()}, device_mesh={self.device_mesh}, "
-            f"placements={self.placements})"
+            f"DTensor(local_tensor={self._wait_local()}, device_mesh={self.device_mesh}, placements={self.placements})"
         )
 
     def _wait_local(self) -> torch.Tensor:
@@ -108,7 +106,9 @@ class DTensor(torch.Tensor):
         elif run_check:
             expected = DTensorSpec(device_mesh, placements, tuple(shape)).local_shape
             if tuple(local_tensor.shape) != expected:
-                raise ValueError(f"from_local: local shape {tuple(local_tensor.shape)} != {expected} for shape {tuple(shape)}")
+                raise ValueError(
+                    f"from_local: local shape {tuple(local_tensor.shape)} != {expected} for shape {tuple(shape)}"
+                )
         spec = DTensorSpec(device_mesh, placements, tuple(shape), tuple(stride) if stride is not None else None)
         if torch.is_grad_enabled() and local_tensor.requires_grad:
             return _FromLocal.apply(local_tensor, spec)
@@ -135,14 +135,20 @@ class DTensor(torch.Tensor):
         placements = normalize_placements(placements, mesh, self.ndim)
         if mesh == self._spec.mesh and placements == self._spec.placements:
             return self
-        dst = self._spec.with_placements(placements) if mesh == self._spec.mesh else DTensorSpec(mesh, placements, self._spec.shape, self._spec.stride)
+        dst = (
+            self._spec.with_placements(placements)
+            if mesh == self._spec.mesh
+            else DTensorSpec(mesh, placements, self._spec.shape, self._spec.stride)
+        )
         if torch.is_grad_enabled() and self.requires_grad:
             return _Redistribute.apply(self, dst, async_op)
         return _redistribute(self, dst, async_op)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
-        return self.redistribute(self._spec.mesh, replicate_all(self._spec.mesh)).to_local(grad_placements=grad_placements)
+        return self.redistribute(self._spec.mesh, replicate_all(self._spec.mesh)).to_local(
+            grad_placements=grad_placements
+        )
 
 
 def _redistribute(src: DTensor, dst: DTensorSpec, async_op: bool) -> DTensor:
@@ -157,7 +163,9 @@ def _redistribute(src: DTensor, dst: DTensorSpec, async_op: bool) -> DTensor:
 
 def _grad_placements(forward: Sequence[Placement], grad: Sequence[Placement]) -> tuple[Placement, ...]:
     """The gradient of a Partial input is Replicate (d global / d local is the identity on each rank)."""
-    return tuple(Replicate() if f.is_partial() and not g.is_partial() else f for f, g in zip(forward, grad, strict=True))
+    return tuple(
+        Replicate() if f.is_partial() and not g.is_partial() else f for f, g in zip(forward, grad, strict=True)
+    )
 
 
 class _FromLocal(torch.autograd.Function):
@@ -177,8 +185,10 @@ class _FromLocal(torch.autograd.Function):
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt: DTensor, grad_placements):
-        ctx.spec = dt._spec if grad_placements is None else dt._spec.with_placements(
-            normalize_placements(grad_placements, dt._spec.mesh, dt.ndim)
+        ctx.spec = (
+            dt._spec
+            if grad_placements is None
+            else dt._spec.with_placements(normalize_placements(grad_placements, dt._spec.mesh, dt.ndim))
         )
         local = dt._wait_local()
         return local.view_as(local)

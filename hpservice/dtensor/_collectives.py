@@ -33,7 +33,7 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 class Pending:
     """An issued collective plus the local work to finish its result."""
 
-    __slots__ = ("_work", "_finish", "_result")
+    __slots__ = ("_finish", "_result", "_work")
 
     def __init__(self, work, finish: Callable[[], torch.Tensor]):
         self._work, self._finish, self._result = work, finish, None
@@ -80,7 +80,11 @@ def _prepare_reduction(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup
             buf = x.to(torch.float32)
             return buf, dist.ReduceOp.SUM, lambda b: b.div_(n).to(dtype)
         buf = x if owned else x.clone()
-        return buf, dist.ReduceOp.SUM, lambda b: b.div_(n) if b.is_floating_point() else b.div_(n, rounding_mode="floor")
+        return (
+            buf,
+            dist.ReduceOp.SUM,
+            lambda b: b.div_(n) if b.is_floating_point() else b.div_(n, rounding_mode="floor"),
+        )
     op = dist.ReduceOp.AVG if reduce_op == "avg" else _REDUCE_OPS[reduce_op]
     return (x if owned else x.clone()), op, lambda b: b
 

@@ -115,12 +115,11 @@ def _pointwise(func, args: tuple, kwargs: dict):
             s = a._spec
             if spec is None:
                 spec = s
-            elif s is not spec and (s.mesh != spec.mesh or s.placements != spec.placements or s.shape != spec.shape):
-                if not (s.is_replicated() and spec.is_replicated() and s.mesh == spec.mesh):
-                    dts.append(a)
-                    raise _unsupported(
-                        func, dts, "operands need identical placements and shapes; redistribute one of them first"
-                    )
+            elif s is not spec and not _compatible(s, spec):
+                dts.append(a)
+                raise _unsupported(
+                    func, dts, "operands need identical placements and shapes; redistribute one of them first"
+                )
             dts.append(a)
             flat[i] = a._wait_local()
         elif isinstance(a, torch.Tensor) and a.ndim > 0:
@@ -135,6 +134,15 @@ def _pointwise(func, args: tuple, kwargs: dict):
     if func._schema.is_mutable and args and isinstance(args[0], DTensor):
         return args[0]
     return _wrap(out, spec)
+
+
+def _compatible(a: DTensorSpec, b: DTensorSpec) -> bool:
+    """Same layout, or both fully replicated on one mesh (then broadcasting is local)."""
+    if a.mesh != b.mesh:
+        return False
+    if a.placements == b.placements and a.shape == b.shape:
+        return True
+    return a.is_replicated() and b.is_replicated()
 
 
 def _check_partial(func, dts, flat) -> None:
@@ -174,8 +182,12 @@ def _foreach(func, args: tuple, kwargs: dict):
                 if isinstance(t, DTensor):
                     s = t._spec
                     ref = specs[j]
-                    if ref is None or (s is not ref and (s.placements != ref.placements or s.shape != ref.shape or s.mesh != ref.mesh)):
-                        raise _unsupported(func, [t], f"element {j} of argument {position} has a different layout than self[{j}]")
+                    if ref is None or (
+                        s is not ref and (s.placements != ref.placements or s.shape != ref.shape or s.mesh != ref.mesh)
+                    ):
+                        raise _unsupported(
+                            func, [t], f"element {j} of argument {position} has a different layout than self[{j}]"
+                        )
                     if s.has_partial() and name not in ("_foreach_zero_", "_foreach_copy_"):
                         raise _unsupported(func, [t], "foreach ops on Partial DTensors are not supported")
                     out.append(t._wait_local())

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from .device_mesh import DeviceMesh
 from .placement_types import Placement, Replicate, Shard
 
-__all__ = ["DTensorSpec", "chunk_sizes", "local_shard_size_and_offset", "contiguous_strides"]
+__all__ = ["DTensorSpec", "chunk_sizes", "contiguous_strides", "local_shard_size_and_offset"]
 
 
 def local_shard_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, int]:
@@ -62,7 +62,7 @@ def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, ndim
 class DTensorSpec:
     """Immutable (mesh, placements, global shape, global stride); local shape/offset computed once."""
 
-    __slots__ = ("mesh", "placements", "shape", "stride", "_hash", "_local")
+    __slots__ = ("_hash", "_local", "mesh", "placements", "shape", "stride")
 
     def __init__(
         self,

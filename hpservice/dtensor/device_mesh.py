@@ -62,7 +62,11 @@ class DeviceMesh:
     ):
         if not isinstance(device_type, str) or not device_type:
             raise TypeError(f"DeviceMesh(device_type): expected a str such as 'cpu' or 'cuda', got {device_type!r}")
-        mesh_t = mesh.detach().to("cpu", torch.int64) if isinstance(mesh, torch.Tensor) else torch.tensor(mesh, dtype=torch.int64)
+        mesh_t = (
+            mesh.detach().to("cpu", torch.int64)
+            if isinstance(mesh, torch.Tensor)
+            else torch.tensor(mesh, dtype=torch.int64)
+        )
         if mesh_t.ndim == 0:
             raise ValueError("DeviceMesh(mesh): expected at least one dimension, got a scalar")
         ranks = tuple(mesh_t.flatten().tolist())
@@ -71,9 +75,7 @@ class DeviceMesh:
         if mesh_dim_names is not None:
             mesh_dim_names = tuple(mesh_dim_names)
             if len(mesh_dim_names) != mesh_t.ndim or len(set(mesh_dim_names)) != len(mesh_dim_names):
-                raise ValueError(
-                    f"DeviceMesh(mesh_dim_names): need {mesh_t.ndim} unique names, got {mesh_dim_names}"
-                )
+                raise ValueError(f"DeviceMesh(mesh_dim_names): need {mesh_t.ndim} unique names, got {mesh_dim_names}")
         self.device_type = device_type
         self.mesh = mesh_t
         self.mesh_dim_names = mesh_dim_names
@@ -126,7 +128,9 @@ class DeviceMesh:
         """Wrap existing groups: one group gives a 1-D mesh; a list needs ``mesh`` (one group per dim)."""
         if isinstance(group, dist.ProcessGroup):
             ranks = dist.get_process_group_ranks(group)
-            return DeviceMesh(device_type, ranks if mesh is None else mesh, mesh_dim_names=mesh_dim_names, _dim_groups=[group])
+            return DeviceMesh(
+                device_type, ranks if mesh is None else mesh, mesh_dim_names=mesh_dim_names, _dim_groups=[group]
+            )
         groups = list(group)
         if mesh is None:
             raise ValueError("DeviceMesh.from_group: a list of groups needs `mesh` (the full rank layout)")
@@ -202,8 +206,10 @@ class DeviceMesh:
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         """Sub-mesh over the named dims, through this rank; shares this mesh's process groups."""
         names = (names,) if isinstance(names, str) else tuple(names)
-        if len(names) == 1 and names[0] in self._root._flattened and (
-            not self.mesh_dim_names or names[0] not in self.mesh_dim_names
+        if (
+            len(names) == 1
+            and names[0] in self._root._flattened
+            and (not self.mesh_dim_names or names[0] not in self.mesh_dim_names)
         ):
             return self._root._flattened[names[0]]
         if not self.mesh_dim_names:
@@ -278,7 +284,9 @@ def init_device_mesh(
     _ensure_default_group(device_type)
     world = dist.get_world_size()
     if math.prod(mesh_shape) != world:
-        raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {math.prod(mesh_shape)} ranks, world size is {world}")
+        raise ValueError(
+            f"init_device_mesh: mesh_shape {mesh_shape} has {math.prod(mesh_shape)} ranks, world size is {world}"
+        )
     if device_type != "cpu" and "LOCAL_RANK" in os.environ:
         torch.get_device_module(device_type).set_device(int(os.environ["LOCAL_RANK"]))
     return DeviceMesh(device_type, torch.arange(world).view(mesh_shape), mesh_dim_names=mesh_dim_names)

@@ -11,7 +11,7 @@ must not hash equal).
 
 from __future__ import annotations
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial"]
+__all__ = ["Partial", "Placement", "Replicate", "Shard"]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 

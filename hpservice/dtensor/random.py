@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ._api import DTensor
 
-__all__ = ["OffsetBasedRNGTracker", "manual_seed", "get_rng_state", "set_rng_state", "BLOCK"]
+__all__ = ["BLOCK", "OffsetBasedRNGTracker", "get_rng_state", "manual_seed", "set_rng_state"]
 
 BLOCK = 1 << 16
 _MASK64 = (1 << 64) - 1
@@ -76,7 +76,11 @@ class OffsetBasedRNGTracker:
         index = _global_flat_index(spec.local_shape, spec.local_offset, spec.shape, local.device)
         blocks = torch.arange(int(index[0]) // BLOCK, int(index[-1]) // BLOCK + 1, device=local.device)
         bounds = torch.searchsorted(index, blocks * BLOCK).tolist() + [index.numel()]
-        flat = local.view(-1) if local.is_contiguous() else torch.empty(local.numel(), dtype=local.dtype, device=local.device)
+        flat = (
+            local.view(-1)
+            if local.is_contiguous()
+            else torch.empty(local.numel(), dtype=local.dtype, device=local.device)
+        )
         gen = torch.Generator(device=local.device)
         for b, lo, hi in zip(blocks.tolist(), bounds[:-1], bounds[1:], strict=True):
             if lo == hi:

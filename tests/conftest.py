@@ -1,0 +1,34 @@
+"""Shared fixtures: persistent gloo rank pools (one per world size), reused across tests.
+
+A multi-rank test calls ``ranks(n).run(fn, *args)``: ``fn`` (a module-level function) runs on
+every rank of an ``n``-rank gloo world on free loopback ports; a failing rank fails the test
+with its traceback and a hung call is killed after its timeout (see ``hpservice.launch``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hpservice.launch import RankPool
+
+
+class _Pools:
+    def __init__(self):
+        self._pools: dict[int, RankPool] = {}
+
+    def __call__(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    pools = _Pools()
+    yield pools
+    pools.close()
