@@ -69,22 +69,19 @@ def _native_avg(group: dist.ProcessGroup) -> bool:
 def _prepare_reduction(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup, owned: bool):
     """Return (buffer to reduce in place, torch ReduceOp, finish(buffer) -> result).
 
-    ``avg`` uses the backend's AVG where it has one (NCCL). Elsewhere it sums and divides, and
-    fp16/bf16 are summed in fp32 first: summing then dividing in low precision overflows
-    (e.g. 4 x 60000 in fp16) and pre-dividing rounds twice.
+    ``avg`` uses the backend's AVG where it has one (NCCL). Elsewhere each rank divides by n
+    first, in fp32 for fp16/bf16, then the values are summed: summing first overflows (4 x 60000
+    in fp16; 4 x 3e38 even in fp32 for bf16's range), and fp32 keeps the pre-division exact to
+    far below the 16-bit types' precision, so the result is rounded once.
     """
     if reduce_op == "avg" and not _native_avg(group):
         n = dist.get_world_size(group)
         dtype = x.dtype
-        if dtype in _LOW_PRECISION:
-            buf = x.to(torch.float32)
-            return buf, dist.ReduceOp.SUM, lambda b: b.div_(n).to(dtype)
-        buf = x if owned else x.clone()
-        return (
-            buf,
-            dist.ReduceOp.SUM,
-            lambda b: b.div_(n) if b.is_floating_point() else b.div_(n, rounding_mode="floor"),
-        )
+        if not (x.is_floating_point() or x.is_complex()):
+            buf = x if owned else x.clone()
+            return buf, dist.ReduceOp.SUM, lambda b: b.div_(n, rounding_mode="floor")
+        buf = (x.to(torch.float32) if dtype in _LOW_PRECISION else x) / n
+        return buf, dist.ReduceOp.SUM, lambda b: b.to(dtype)
     op = dist.ReduceOp.AVG if reduce_op == "avg" else _REDUCE_OPS[reduce_op]
     return (x if owned else x.clone()), op, lambda b: b
 
