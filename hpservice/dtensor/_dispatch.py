@@ -123,7 +123,8 @@ def _pointwise(func, args: tuple, kwargs: dict):
             dts.append(a)
             flat[i] = a._wait_local()
         elif isinstance(a, torch.Tensor) and a.ndim > 0:
-            raise TypeError(
+            # RuntimeError, not TypeError: torch turns a TypeError in a binary operator into NotImplemented.
+            raise RuntimeError(
                 f"hpservice.dtensor: {func} mixes a DTensor with a torch.Tensor of shape {tuple(a.shape)}; "
                 "wrap it with DTensor.from_local or distribute_tensor first (0-d tensors are allowed as scalars)"
             )
@@ -192,7 +193,7 @@ def _foreach(func, args: tuple, kwargs: dict):
                         raise _unsupported(func, [t], "foreach ops on Partial DTensors are not supported")
                     out.append(t._wait_local())
                 elif specs[j] is not None and t.ndim > 0:
-                    raise TypeError(f"hpservice.dtensor: {func} mixes DTensor and torch.Tensor at element {j}")
+                    raise RuntimeError(f"hpservice.dtensor: {func} mixes DTensor and torch.Tensor at element {j}")
                 else:
                     out.append(t)
             return out
