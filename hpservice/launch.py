@@ -57,6 +57,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results,
     except BaseException:
         results.put((None, rank, False, traceback.format_exc()))
         return
+    results.put((None, rank, True, "ready"))
     while True:
         task = tasks.get()
         if task is None:
@@ -72,10 +73,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results,
 class RankPool:
     """``world_size`` long-lived ranks in one gloo (or ``backend``) world; see module doc."""
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", pg_timeout_s: float = 60.0):
+    def __init__(
+        self, world_size: int, *, backend: str = "gloo", pg_timeout_s: float = 60.0, startup_timeout_s: float = 180.0
+    ):
         self.world_size = world_size
         self.backend = backend
         self._pg_timeout_s = pg_timeout_s
+        self._startup_timeout_s = startup_timeout_s
         self._ctx = mp.get_context("spawn")
         self._procs: list = []
         self._calls = 0
@@ -94,6 +98,24 @@ class RankPool:
         ]
         for p in self._procs:
             p.start()
+        # Wait until every rank has joined the process group, so call timeouts cover calls only.
+        ready, errors = set(), {}
+        deadline = time.monotonic() + self._startup_timeout_s
+        while len(ready) + len(errors) < self.world_size and time.monotonic() < deadline:
+            try:
+                _, rank, ok, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                if not all(p.is_alive() for p in self._procs):
+                    break
+                continue
+            if ok:
+                ready.add(rank)
+            else:
+                errors[rank] = value
+        if len(ready) < self.world_size:
+            self.close()
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankFailure(f"{self.world_size} ranks failed to start ({len(ready)} ready):\n{detail}")
 
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
@@ -123,10 +145,7 @@ class RankPool:
                         errors.setdefault(r, f"rank {r} process died (exit code {self._procs[r].exitcode})")
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
                 continue
-            if cid is None:  # failed to join the process group
-                errors[rank] = value
-                deadline = min(deadline, time.monotonic() + _GRACE_S)
-            elif cid == call_id:
+            if cid == call_id:
                 if ok:
                     results[rank] = value
                 else:

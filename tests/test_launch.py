@@ -1,0 +1,55 @@
+"""The multi-rank harness: failures carry the failing rank's traceback; nothing hangs."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpservice.launch import RankFailure, RankPool, free_port
+
+
+def _rank_and_sum():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _rank1_raises():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    return "ok"
+
+
+def _rank0_hangs():
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never joins: a hung collective
+    return "ok"
+
+
+def test_results_come_back_in_rank_order(ranks):
+    assert ranks(2).run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
+
+
+def test_failing_rank_fails_with_its_traceback():
+    with RankPool(2) as pool:
+        with pytest.raises(RankFailure, match=r"(?s)rank 1 raised.*ValueError: boom on rank one"):
+            pool.run(_rank1_raises, timeout=60)
+        # The pool recovers for the next call.
+        assert pool.run(_rank_and_sum, timeout=60) == [(0, 1.0), (1, 1.0)]
+
+
+def test_hung_collective_times_out():
+    with RankPool(2, pg_timeout_s=300) as pool:
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 3s"):
+            pool.run(_rank0_hangs, timeout=3)
+        assert time.monotonic() - start < 30
+
+
+def test_free_port_is_loopback_and_bindable():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
