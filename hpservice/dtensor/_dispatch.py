@@ -58,6 +58,8 @@ def _classify(func) -> str:
         return "item"
     if func is aten.native_dropout.default or name in _RANDOM:
         return "random"
+    if func in (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar):
+        return "norm"
     if name.startswith("_foreach_"):
         return "foreach" if _is_pointwise_name(name[len("_foreach_") :].rstrip("_")) else "unsupported"
     if torch.Tag.pointwise in func.tags or func in _LAYOUT_OPS:
@@ -91,8 +93,71 @@ def dispatch(func, args: tuple, kwargs: dict):
         from .random import random_op
 
         return random_op(func, args, kwargs)
+    if kind == "norm":
+        return _norm(func, args, kwargs)
     dts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
+    if dts and all(d._spec.is_replicated() and d._spec.mesh == dts[0]._spec.mesh for d in dts):
+        return _replicated(func, args, kwargs, dts[0]._spec)
     raise _unsupported(func, dts, "this operator has no sharding rule yet")
+
+
+def _replicated(func, args: tuple, kwargs: dict, spec: DTensorSpec):
+    """Every rank holds the whole of every operand, so any op is correct on the local tensors."""
+    flat, tree = tree_flatten((args, kwargs))
+    flat = [a._wait_local() if isinstance(a, DTensor) else a for a in flat]
+    local_args, local_kwargs = tree_unflatten(flat, tree)
+    out = func(*local_args, **local_kwargs)
+    if func._schema.is_mutable and args and isinstance(args[0], DTensor):
+        return args[0]
+    return _wrap(out, spec)
+
+
+def _norm(func, args: tuple, kwargs: dict):
+    """Whole-tensor vector norms of sharded tensors: local norms combined over the sharded mesh
+    dims (sum of |x|^p, max for inf, min for -inf); the result is a replicated 0-d DTensor."""
+    import torch.distributed as dist
+
+    from .placement_types import Replicate
+
+    single = func is aten.linalg_vector_norm.default
+    tensors = [args[0]] if single else list(args[0])
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if single and (kwargs.get("dim") is not None or (len(args) > 2 and args[2] is not None)):
+        raise _unsupported(func, [t for t in tensors if isinstance(t, DTensor)], "only whole-tensor norms (dim=None)")
+    if single and kwargs.get("dtype") is not None:
+        raise _unsupported(func, tensors, "the dtype argument is not supported")
+    ord_ = float(ord_)
+    specs = [t._spec for t in tensors]
+    if any(s.has_partial() for s in specs):
+        raise _unsupported(func, tensors, "the norm of a Partial tensor needs its reduction first")
+    mesh = specs[0].mesh
+    if any(s.mesh != mesh for s in specs):
+        raise _unsupported(func, tensors, "all tensors must share one mesh")
+    local = torch.stack([torch.linalg.vector_norm(t._wait_local(), ord_) for t in tensors])
+    if ord_ in (float("inf"), float("-inf")):
+        op, value = (dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN), local.clone()
+    elif ord_ == 0:
+        op, value = dist.ReduceOp.SUM, local.clone()
+    else:
+        op, value = dist.ReduceOp.SUM, local.double().pow(ord_)
+    # One all-reduce per (set of sharded mesh dims, mesh dim), whatever the number of tensors.
+    by_dims: dict[tuple[int, ...], list[int]] = {}
+    for j, s in enumerate(specs):
+        by_dims.setdefault(tuple(i for i, p in enumerate(s.placements) if p.is_shard()), []).append(j)
+    for dims, members in by_dims.items():
+        if not dims:
+            continue
+        index = torch.tensor(members)
+        part = value[index]
+        for i in dims:
+            dist.all_reduce(part, op=op, group=mesh.get_group(i))
+        value[index] = part
+    if op is dist.ReduceOp.SUM and ord_ != 0:
+        value = value.pow(1.0 / ord_)
+    local = value.to(local.dtype)
+    replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, ())
+    outs = [DTensor(v, replicated, requires_grad=False) for v in local.unbind(0)]
+    return outs[0] if single else outs
 
 
 def _replicate_if_partial(p):
@@ -106,21 +171,27 @@ def _unsupported(func, dts, why: str) -> NotImplementedError:
     return NotImplementedError(f"hpservice.dtensor: {func} on DTensor placements [{placements}]: {why}")
 
 
+def _is_scalar(t: DTensor) -> bool:
+    """A replicated 0-d DTensor (a global norm, a clip coefficient) acts as a scalar operand."""
+    return t.ndim == 0 and t._spec.is_replicated()
+
+
 def _pointwise(func, args: tuple, kwargs: dict):
     flat, tree = tree_flatten((args, kwargs))
-    spec: DTensorSpec | None = None
+    tensors = [a for a in flat if isinstance(a, DTensor)]
+    spec = next((t._spec for t in tensors if not _is_scalar(t)), tensors[0]._spec)
     dts = []
     for i, a in enumerate(flat):
         if isinstance(a, DTensor):
             s = a._spec
-            if spec is None:
-                spec = s
-            elif s is not spec and not _compatible(s, spec):
+            if s is not spec and not (_is_scalar(a) and a._spec.mesh == spec.mesh):
+                if not _compatible(s, spec):
+                    raise _unsupported(
+                        func, [*dts, a], "operands need identical placements and shapes; redistribute one of them first"
+                    )
                 dts.append(a)
-                raise _unsupported(
-                    func, dts, "operands need identical placements and shapes; redistribute one of them first"
-                )
-            dts.append(a)
+            elif s is spec:
+                dts.append(a)
             flat[i] = a._wait_local()
         elif isinstance(a, torch.Tensor) and a.ndim > 0:
             # RuntimeError, not TypeError: torch turns a TypeError in a binary operator into NotImplemented.
@@ -198,7 +269,9 @@ def _foreach(func, args: tuple, kwargs: dict):
                     out.append(t)
             return out
         if isinstance(value, DTensor):
-            raise _unsupported(func, [value], "a single DTensor operand to a foreach op is not supported")
+            if _is_scalar(value):
+                return value._wait_local()
+            raise _unsupported(func, [value], "a single DTensor operand to a foreach op must be a replicated scalar")
         return value
 
     local_args = [unwrap(a, i) for i, a in enumerate(args)]

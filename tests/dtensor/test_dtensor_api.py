@@ -207,3 +207,41 @@ def _check_optimizer(foreach):
 @pytest.mark.parametrize("foreach", [False, True])
 def test_stock_optimizer_steps_dtensor_params_like_single_device(ranks, foreach):
     ranks(4).run(_check_optimizer, foreach)
+
+
+def _check_clip_grad_norm():
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(7, 3, generator=g), torch.randn(5, generator=g), torch.randn(2, 2, generator=g)]
+    placements = [[Shard(0), Shard(1)], [Shard(0), Replicate()], [Replicate(), Replicate()]]
+    for foreach in (False, True):
+        for norm_type in (2.0, 1.0, float("inf")):
+            ref = [torch.nn.Parameter(f.clone()) for f in fulls]
+            ours = [torch.nn.Parameter(distribute_tensor(f, mesh, pl)) for f, pl in zip(fulls, placements, strict=True)]
+            for p, q in zip(ref, ours, strict=True):
+                p.grad, q.grad = p.detach() * 3, q.detach() * 3
+            want = torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type=norm_type, foreach=foreach)
+            got = torch.nn.utils.clip_grad_norm_(ours, 1.0, norm_type=norm_type, foreach=foreach)
+            # The norm is global (not per rank), and so is the clipping.
+            assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want), (foreach, norm_type)
+            for p, q in zip(ref, ours, strict=True):
+                assert torch.allclose(q.grad.full_tensor(), p.grad)
+    return True
+
+
+def test_clip_grad_norm_is_global(ranks):
+    ranks(4).run(_check_clip_grad_norm)
+
+
+def _check_replicated_any_op():
+    mesh = init_device_mesh("cpu", (4,))
+    full = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    r = distribute_tensor(full, mesh, [Replicate()])
+    out = r @ r.t()  # no sharding rule needed: every rank holds every operand whole
+    assert out.placements == (Replicate(),) and torch.equal(out.to_local(), full @ full.t())
+    assert torch.equal(torch.stack([r, r]).to_local(), torch.stack([full, full]))
+    return True
+
+
+def test_fully_replicated_operands_run_any_op(ranks):
+    ranks(4).run(_check_replicated_any_op)
