@@ -124,6 +124,11 @@ def _plan(
     coord: tuple[int, ...],
 ) -> tuple[Step, ...]:
     n = len(mesh_shape)
+    if 1 in mesh_shape:
+        # A mesh dim of size 1 cuts nothing and reduces over one value: every placement on it is
+        # the same local data, so it takes no step (no 1-rank collectives) and blocks nothing.
+        src = tuple(Replicate() if k == 1 else p for p, k in zip(src, mesh_shape, strict=True))
+        dst = tuple(Replicate() if k == 1 else p for p, k in zip(dst, mesh_shape, strict=True))
     cur = list(src)
     steps: list[Step] = []
 

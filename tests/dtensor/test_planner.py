@@ -129,7 +129,7 @@ def _check_transition(full, src, dst, mesh_shape):
 _ALL = [Shard(0), Shard(1), Replicate(), Partial("sum")]
 
 
-@pytest.mark.parametrize("mesh_shape", [(4,), (3,), (2, 2), (2, 3), (2, 2, 2)])
+@pytest.mark.parametrize("mesh_shape", [(4,), (3,), (2, 2), (2, 3), (2, 1), (2, 2, 2), (1, 2, 2)])
 def test_every_transition_matches_the_global_value(mesh_shape):
     """Every (src, dst) pair over S(0), S(1), R, P on uneven dims equals the global tensor."""
     full = torch.randn(5, 7, dtype=torch.float64)
@@ -221,3 +221,10 @@ def test_plans_agree_across_ranks_for_large_meshes():
         kinds = {tuple((type(s), s.mesh_dim) for s in p) for p in plans.values()}
         assert len(kinds) == 1
         _check_transition(torch.randn(11, 5, dtype=torch.float64), src, dst, mesh_shape)
+
+
+def test_size_one_mesh_dims_take_no_step():
+    # HSDP or TP dims of size 1: no 1-rank collectives.
+    assert _plan((8, 4), (Shard(0), Shard(0)), (Replicate(), Replicate()), (2, 1), (1, 0)) == (AllGather(0, 0, 8),)
+    assert _plan((8, 4), (Partial(), Partial()), (Shard(0), Shard(1)), (2, 1), (0, 0)) == (ReduceScatter(0, 0, "sum"),)
+    assert _plan((8,), (Partial(),), (Replicate(),), (1,), (0,)) == ()

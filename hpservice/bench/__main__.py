@@ -1,0 +1,22 @@
+"""``python -m hpservice.bench <benchmark> [options]``; ``--help`` lists the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpservice.bench import redistribute
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpservice.bench", description="Benchmarks of hpservice against torch on local gloo ranks."
+    )
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    redistribute.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
