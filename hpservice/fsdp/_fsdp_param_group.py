@@ -1,0 +1,277 @@
+"""FSDPParamGroup: the parameters of one fully_shard call, communicated as one flat bucket.
+
+Buffers (S = shard group size, C = sum of the parameters' padded per-rank shard sizes):
+
+- ``flat_shard`` (C, original dtype, on the shard device): the sharded parameters; each
+  registered DTensor parameter's local tensor is a view into it, so the optimizer updates it
+  in place and it is the all-gather input as is (no copy-in) unless mixed precision or offload
+  needs a cast/copy into ``ag_in``.
+- ``ag_out`` (S*C, param dtype): rank-major all-gather output, copied out into
+- ``flat_unsharded`` (S*C, param dtype): one padded full slot per parameter, param-major; the
+  unsharded parameters are views of it.
+- ``rs_in`` (S*C, reduce dtype) and ``rs_out`` (C): reduce-scatter input and output.
+- ``grad_flat`` (C, original dtype, shard device): the sharded gradients are views into it.
+
+All are allocated once. Those only needed around a collective (``ag_out``, ``rs_in``) and the
+unsharded parameters have their storage freed after use and regrown before the next use
+(``untyped_storage().resize_``), which keeps every view, and every tensor autograd saved,
+valid while the memory is returned between uses (AUDIT 13).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from hpservice.dtensor import DTensor
+
+from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from ._fsdp_param import FSDPParam
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather issued, not yet waited
+    UNSHARDED = "unsharded"
+
+
+def _free(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _regrow(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _predivide_factor(world: int) -> int:
+    """Split a division by ``world`` into a pre- and post-factor near sqrt(world), so neither the
+    values before the sum nor the sum itself leave fp16/bf16 range."""
+    factor = 1
+    while world % factor == 0 and world / factor > factor:
+        factor *= 2
+    return factor
+
+
+class FSDPParamGroup:
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        mesh,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ):
+        self.params = params
+        self.mesh = mesh
+        self.hsdp = mesh.ndim == 2
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if self.hsdp else None
+        self.world = mesh.size(mesh.ndim - 1)
+        self.replicas = mesh.size(0) if self.hsdp else 1
+        dtypes = {p.orig_dtype for p in params}
+        if len(dtypes) != 1:
+            raise TypeError(f"fully_shard: parameters of one group must share a dtype, got {sorted(map(str, dtypes))}")
+        self.orig_dtype = dtypes.pop()
+        self.param_dtype = mp_policy.param_dtype or self.orig_dtype
+        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        self.device = device
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        shard_device = torch.device("cpu") if self.offload else device
+        pin = self.offload and offload_policy.pin_memory and device.type == "cuda"
+
+        offset = 0
+        for p in params:
+            p.offset = offset
+            offset += p.numel
+        self.numel = offset  # C
+        S = self.world
+        self.flat_shard = torch.zeros(self.numel, dtype=self.orig_dtype, device=shard_device, pin_memory=pin)
+        self.grad_flat = torch.zeros(self.numel, dtype=self.orig_dtype, device=shard_device, pin_memory=pin)
+        same = self.param_dtype == self.orig_dtype and not self.offload
+        self.ag_in = self.flat_shard if same else torch.empty(self.numel, dtype=self.param_dtype, device=device)
+        self.ag_out = torch.empty(S * self.numel, dtype=self.param_dtype, device=device)
+        self.flat_unsharded = torch.empty(S * self.numel, dtype=self.param_dtype, device=device)
+        self.rs_in = torch.empty(S * self.numel, dtype=self.reduce_dtype, device=device)
+        self.rs_out = torch.empty(self.numel, dtype=self.reduce_dtype, device=device)
+        for p in params:
+            p.init_unsharded(self.flat_unsharded, S * p.offset)
+        _free(self.ag_out)
+        _free(self.flat_unsharded)
+        _free(self.rs_in)
+
+        self.state = ShardState.SHARDED
+        self._ag_work = None
+        # Settings (FSDPModule setters).
+        self.reshard_after_forward = True
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.divide_factor: float | None = None
+        self.reduce_op = "avg"
+        # Per-backward state.
+        self._n_grad_params = sum(p.requires_grad for p in params)
+        self._grads_seen = 0
+        self._post_backward_done = False
+        self._rs_work = None
+        self._ar_work = None
+        self._reduce_pending = False
+        self._unreduced: torch.Tensor | None = None  # reduce-scattered grads awaiting the replicate all-reduce
+        self._needs_host_sync = False
+        for p in params:
+            if p.requires_grad:
+                p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+
+    # ---- unshard / reshard ------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Issue the all-gather (asynchronous); ``wait_for_unshard`` finishes it."""
+        if self.state is not ShardState.SHARDED:
+            return
+        _regrow(self.flat_unsharded)
+        _regrow(self.ag_out)
+        if self.ag_in is not self.flat_shard:
+            self.ag_in.copy_(self.flat_shard, non_blocking=True)
+        self._ag_work = all_gather_flat(self.ag_in, self.ag_out, self.shard_group)
+        self.state = ShardState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        if self.state is ShardState.SHARDED:
+            self.unshard()
+        if self.state is ShardState.UNSHARDING:
+            if self._ag_work is not None:
+                self._ag_work.wait()
+                self._ag_work = None
+            gathered = self.ag_out.view(self.world, self.numel)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
+                for p in self.params:
+                    p.copy_out(gathered)
+            _free(self.ag_out)
+            self.state = ShardState.UNSHARDED
+
+    def use_unsharded(self) -> None:
+        for p in self.params:
+            p.swap_to(p.unsharded_param)
+
+    def reshard(self) -> None:
+        if self.state is ShardState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is ShardState.UNSHARDED:
+            for p in self.params:
+                p.swap_to(p.sharded_param)
+            _free(self.flat_unsharded)
+            self.state = ShardState.SHARDED
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _on_grad_accumulated(self, _param) -> None:
+        self._grads_seen += 1
+        if self._grads_seen == self._n_grad_params:
+            self.post_backward()
+
+    def has_unsharded_grads(self) -> bool:
+        return any(p.requires_grad and p.unsharded_param.grad is not None for p in self.params)
+
+    def post_backward(self) -> None:
+        """All of this group's gradients are ready: issue the reduce-scatter, free the params."""
+        if self._post_backward_done:
+            return
+        self._post_backward_done = True
+        if self.requires_gradient_sync and self.has_unsharded_grads():
+            self._issue_reduce_scatter()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _divide_factors(self) -> tuple[float, float]:
+        if self.reduce_op == "sum":
+            return 1.0, 1.0
+        factor = self.divide_factor if self.divide_factor is not None else float(self.world * self.replicas)
+        if self.reduce_dtype in _LOW_PRECISION and self.divide_factor is None:
+            pre = float(_predivide_factor(self.world * self.replicas))
+            return pre, factor / pre
+        return factor, 1.0
+
+    def _issue_reduce_scatter(self) -> None:
+        _regrow(self.rs_in)
+        flat_in = self.rs_in.view(self.world, self.numel)
+        with torch.no_grad():
+            for p in self.params:
+                grad = p.unsharded_param.grad if p.requires_grad else None
+                if grad is None:
+                    p.zero_grad_slot(flat_in)
+                else:
+                    p.copy_in_grad(grad, flat_in)
+                    p.unsharded_param.grad = None
+            pre, _ = self._divide_factors()
+            if pre != 1.0:
+                self.rs_in.div_(pre)
+        self._rs_work = reduce_scatter_flat(self.rs_in, self.rs_out, self.shard_group)
+        self._reduce_pending = True
+
+    def wait_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter; on HSDP issue the replicate all-reduce (asynchronous)."""
+        if not self._reduce_pending:
+            return
+        if self._rs_work is not None:
+            self._rs_work.wait()
+            self._rs_work = None
+        _free(self.rs_in)
+        if self.replicas > 1:
+            if self._unreduced is not None:
+                self.rs_out.add_(self._unreduced)
+            if not self.requires_all_reduce:
+                # Accumulate locally; the next step that all-reduces reduces the sum once.
+                if self._unreduced is None:
+                    self._unreduced = self.rs_out.clone()
+                else:
+                    self._unreduced.copy_(self.rs_out)
+                self._reduce_pending = False
+                return
+            self._unreduced = None
+            self._ar_work = all_reduce_flat(self.rs_out, self.replicate_group)
+
+    def finish_reduction(self) -> None:
+        """Wait for the all-reduce, post-divide, and accumulate into the sharded DTensor grads."""
+        if not self._reduce_pending:
+            return
+        self._reduce_pending = False
+        if self._ar_work is not None:
+            self._ar_work.wait()
+            self._ar_work = None
+        _, post = self._divide_factors()
+        with torch.no_grad():
+            if post != 1.0:
+                self.rs_out.div_(post)
+            for p in self.params:
+                if not p.requires_grad:
+                    continue
+                reduced = p.shard_view(self.rs_out)
+                sp = p.sharded_param
+                if sp.grad is None:
+                    view = p.shard_view(self.grad_flat)
+                    view.copy_(reduced, non_blocking=self.offload)
+                    sp.grad = DTensor(view, p.spec)
+                else:
+                    sp.grad._local_tensor.add_(reduced.to(sp.grad.device, non_blocking=False))
+                self._needs_host_sync |= self.offload and self.device.type != "cpu"
+
+    def reset_backward(self) -> bool:
+        """Clear per-backward state; True if a host sync is needed for offloaded grads (AUDIT 7)."""
+        needs_sync = self._needs_host_sync
+        self._needs_host_sync = False
+        self._grads_seen = 0
+        self._post_backward_done = False
+        return needs_sync
+
+
+def group_device(mesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())

@@ -1,0 +1,240 @@
+"""fully_shard: shard a module's parameters over a mesh (FSDP on 1-D, HSDP on 2-D).
+
+Apply it bottom-up (each block, then the root); every call makes one parameter group (one
+all-gather and one reduce-scatter per step) out of the parameters of the module(s) that no
+inner fully_shard already took. The module's class becomes ``FSDP<Class>``, a subclass of
+both ``FSDPModule`` and the original class, so ``isinstance`` and methods keep working.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hpservice.dtensor import DeviceMesh, DTensor, Shard, init_device_mesh
+
+from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_param import FSDPParam
+from ._fsdp_param_group import FSDPParamGroup, group_device
+from ._fsdp_state import FSDPState
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None):
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group.use_unsharded()
+            self._group = None
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+
+
+class FSDPModule:
+    """Methods every fully_shard-ed module gains (same names as torch's FSDPModule)."""
+
+    _fsdp_state: FSDPState
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state]
+        states = []
+        for m in self.modules():
+            s = getattr(m, "_fsdp_state", None)
+            if s is not None and s not in states:
+                states.append(s)
+        return states
+
+    def _fsdp_groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (ahead of forward)."""
+        _check_bool("unshard(async_op)", async_op)
+        group = self._fsdp_state.group
+        if group is not None:
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module holds its sharded DTensor parameters again."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates unsharded gradients locally (no communication) until a
+        backward with True reduces the sum once (gradient accumulation)."""
+        _check_bool("set_requires_gradient_sync", requires_gradient_sync)
+        for g in self._fsdp_groups(recurse):
+            g.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False skips the all-reduce over the replicate dim (reduce-scattered gradients
+        accumulate locally and the next all-reduce reduces their sum)."""
+        _check_bool("set_requires_all_reduce", requires_all_reduce)
+        for g in self._fsdp_groups(recurse):
+            g.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        _check_bool("set_reshard_after_forward", reshard_after_forward)
+        for s in self._fsdp_states(recurse):
+            s._reshard_after_forward = reshard_after_forward
+            if s.group is not None:
+                s.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        _check_bool("set_reshard_after_backward", reshard_after_backward)
+        for g in self._fsdp_groups(recurse):
+            g.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """After this module's all-gather in forward, issue these modules' (overrides the recorded order)."""
+        self._fsdp_state.forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """At this module's backward, issue these modules' all-gathers (overrides the recorded order)."""
+        self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+            raise TypeError(f"set_gradient_divide_factor: expected a positive number, got {factor!r}")
+        for g in self._fsdp_groups(True):
+            g.divide_factor = float(factor)
+
+    def set_reduce_op(self, reduce_op: str) -> None:
+        """ "avg" (default: divide by the divide factor) or "sum"; reaches every nested module."""
+        if reduce_op not in ("avg", "sum"):
+            raise ValueError(f"set_reduce_op: expected 'avg' or 'sum', got {reduce_op!r}")
+        for g in self._fsdp_groups(True):
+            g.reduce_op = reduce_op
+
+
+def _states_of(modules, setter: str) -> list[FSDPState]:
+    if not isinstance(modules, list | tuple) or not all(isinstance(m, FSDPModule) for m in modules):
+        raise TypeError(f"{setter}: expected a list of fully_shard-ed modules, got {modules!r}")
+    return [m._fsdp_state for m in modules]
+
+
+@functools.lru_cache(maxsize=256)
+def _fsdp_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+def _default_mesh() -> DeviceMesh:
+    device_type = "cpu"
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        device_type = accelerator.current_accelerator().type
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    return init_device_mesh(device_type, (world,))
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Iterable[nn.Parameter] | None = None,
+):
+    """Shard ``module``'s parameters (not already taken by an inner fully_shard) over ``mesh``.
+
+    A 1-D mesh is FSDP (``Shard(0)`` parameters); a 2-D mesh ``(replicate, shard)`` is HSDP
+    (``(Replicate(), Shard(0))``). A list of modules forms one group (tied weights).
+    ``reshard_after_forward=None`` reshards every module but the root after forward.
+    ``ignored_params`` are left alone: not sharded, no communication.
+    """
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard: expected an nn.Module or a list of them, got {module!r}")
+    if any(isinstance(m, FSDPModule) for m in modules):
+        raise ValueError("fully_shard: module is already fully_shard-ed")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"fully_shard(reshard_after_forward): expected None or a bool, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard(mp_policy): expected a MixedPrecisionPolicy, got {mp_policy!r}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard(offload_policy): expected an OffloadPolicy, got {offload_policy!r}")
+    mesh = mesh if mesh is not None else _default_mesh()
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard(mesh): expected a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh, got {mesh!r}")
+    ignored = {id(p) for p in ignored_params or ()}
+    device = group_device(mesh)
+
+    # Parameters of these modules not owned by an inner fully_shard, with every place they are used.
+    found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = {}
+
+    def walk(m: nn.Module, prefix: str) -> None:
+        for name, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            entry = found.setdefault(id(p), (p, [], []))
+            entry[1].append((m, name))
+            entry[2].append(prefix + name)
+        for child_name, child in m._modules.items():
+            if child is not None and not isinstance(child, FSDPModule):
+                walk(child, f"{prefix}{child_name}.")
+
+    for i, m in enumerate(modules):
+        walk(m, "" if len(modules) == 1 else f"{i}.")
+    params: list[FSDPParam] = []
+    for p, uses, _ in found.values():
+        placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+        if placement is not None and not isinstance(placement, Shard):
+            raise TypeError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r}")
+        shard_dim = placement.dim if placement is not None else 0
+        if not -p.ndim <= shard_dim < max(p.ndim, 1):
+            raise ValueError(f"shard_placement_fn returned {placement!r} for a parameter of shape {tuple(p.shape)}")
+        params.append(FSDPParam(p, uses, shard_dim, mesh, hsdp=mesh.ndim == 2))
+
+    group = None
+    if params:
+        group = FSDPParamGroup(params, mesh, device, mp_policy, offload_policy)
+        for fp, (p, _, _) in zip(params, found.values(), strict=True):
+            fp.init_sharded(p.detach().to(device), group.flat_shard)
+            fp.swap_to(fp.sharded_param)
+    state = FSDPState(modules, group, mp_policy, reshard_after_forward)
+    keys = {fqn: fp for fp, (_, _, fqns) in zip(params, found.values(), strict=True) for fqn in fqns}
+    for i, m in enumerate(modules):
+        m._fsdp_state = state
+        m.__class__ = _fsdp_class(type(m))
+        local = {k[len(f"{i}.") :]: v for k, v in keys.items() if k.startswith(f"{i}.")} if len(modules) > 1 else keys
+        m.register_load_state_dict_pre_hook(functools.partial(_load_full_or_sharded, local))
+    return module
+
+
+def _load_full_or_sharded(params: dict[str, FSDPParam], module, state_dict, prefix, *args) -> None:
+    """load_state_dict accepts sharded DTensors (any placements) or full tensors: each rank keeps its shard."""
+    for name, fp in params.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is None:
+            continue
+        if isinstance(value, DTensor):
+            if value.placements != fp.spec.placements:
+                state_dict[key] = value.redistribute(fp.spec.mesh, fp.spec.placements)
+        elif tuple(value.shape) == fp.shape:  # otherwise the module's own shape check reports it
+            start = min(fp.rank * fp.chunk, fp.shape[fp.shard_dim])
+            local = value.detach().narrow(fp.shard_dim, start, fp.local_size).to(fp.sharded_param.device)
+            state_dict[key] = DTensor(local, fp.spec)
