@@ -464,3 +464,54 @@ def _check_unshard_reshard_api():
 
 def test_unshard_reshard_and_inference(ranks):
     ranks(2).run(_check_unshard_reshard_api)
+
+
+def _check_audit_07_sync_if_any_group_needs_it():
+    torch.manual_seed(0)
+    model = _wrap(MLP(), _mesh((2,)), offload_policy=CPUOffloadPolicy())
+    model._fsdp_state._lazy_init()
+    groups = [s.group for s in model._fsdp_state._states]
+    syncs = []
+
+    class FakeStream:
+        def synchronize(self):
+            syncs.append(True)
+
+    class FakeModule:
+        @staticmethod
+        def current_stream():
+            return FakeStream()
+
+    real = torch.get_device_module
+    torch.get_device_module = lambda *_: FakeModule
+    try:
+        groups[0]._needs_host_sync = True  # only the first group copied asynchronously
+        model._fsdp_state._finalize_backward()
+        assert syncs == [True]
+        model._fsdp_state._finalize_backward()
+        assert syncs == [True]  # flags are per backward
+    finally:
+        torch.get_device_module = real
+    return True
+
+
+def test_audit_07_offload_syncs_if_any_group_needs_it(ranks):
+    ranks(2).run(_check_audit_07_sync_if_any_group_needs_it)
+
+
+def _check_low_precision_reduce_no_overflow():
+    torch.manual_seed(0)
+    model = _wrap(
+        MLP(), _mesh((2, 2)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
+    )
+    x, y = batch(0, 4)
+    # A loss scale that makes fp16 gradients near the top of the range: summing 4 of them overflows,
+    # pre/post division does not.
+    out = model(local_slice(x, dist.get_rank(), 4))
+    (nn.functional.mse_loss(out.float(), local_slice(y, dist.get_rank(), 4)) * 2.0e4).backward()
+    assert all(torch.isfinite(p.grad.full_tensor()).all() for p in model.parameters())
+    return True
+
+
+def test_audit_row_fp16_reduction_does_not_overflow(ranks):
+    ranks(4).run(_check_low_precision_reduce_no_overflow)
