@@ -28,10 +28,6 @@ class FSDPParam:
     """Metadata and views for one parameter managed by an FSDPParamGroup."""
 
     def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], shard_dim: int, mesh, hsdp: bool):
-        if param.is_meta:
-            raise NotImplementedError(
-                "fully_shard: meta-device parameters are not supported yet; materialise them first"
-            )
         self.uses = uses  # every (module, attribute name) that holds this parameter (tied weights)
         self.requires_grad = param.requires_grad
         self.orig_dtype = param.dtype
@@ -63,11 +59,18 @@ class FSDPParam:
         return padded.narrow(self.shard_dim, 0, self.local_size)
 
     def init_sharded(self, full: torch.Tensor, flat_shard: torch.Tensor) -> None:
-        """Copy this rank's chunk of ``full`` into the flat shard; register a DTensor view of it."""
-        start = min(self.rank * self.chunk, self.shape[self.shard_dim])
-        with torch.no_grad():
-            view = self.shard_view(flat_shard)
-            view.copy_(full.narrow(self.shard_dim, start, self.local_size))
+        """Copy this rank's chunk of ``full`` into the flat shard; register a DTensor view of it.
+
+        A meta ``full`` (a model built on the meta device) copies nothing: the shard stays zero
+        until the model's own init (e.g. ``reset_parameters()``) runs on the DTensor parameters,
+        whose random ops draw sharding-independent values (hpservice.dtensor.random), so the
+        full model never exists on one rank.
+        """
+        view = self.shard_view(flat_shard)
+        if not full.is_meta:
+            start = min(self.rank * self.chunk, self.shape[self.shard_dim])
+            with torch.no_grad():
+                view.copy_(full.narrow(self.shard_dim, start, self.local_size))
         self.sharded_param = nn.Parameter(DTensor(view, self.spec), requires_grad=self.requires_grad)
 
     # ---- unsharded form -------------------------------------------------------------------

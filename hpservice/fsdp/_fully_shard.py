@@ -212,7 +212,7 @@ def fully_shard(
     if params:
         group = FSDPParamGroup(params, mesh, device, mp_policy, offload_policy)
         for fp, (p, _, _) in zip(params, found.values(), strict=True):
-            fp.init_sharded(p.detach().to(device), group.flat_shard)
+            fp.init_sharded(p.detach() if p.is_meta else p.detach().to(device), group.flat_shard)
             fp.swap_to(fp.sharded_param)
     state = FSDPState(modules, group, mp_policy, reshard_after_forward)
     keys = {fqn: fp for fp, (_, _, fqns) in zip(params, found.values(), strict=True) for fqn in fqns}

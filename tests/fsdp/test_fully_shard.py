@@ -515,3 +515,35 @@ def _check_low_precision_reduce_no_overflow():
 
 def test_audit_row_fp16_reduction_does_not_overflow(ranks):
     ranks(4).run(_check_low_precision_reduce_no_overflow)
+
+
+def _init_on_meta(mesh_shape, seed):
+    from hpservice.dtensor import random as dtensor_random
+
+    with torch.device("meta"):
+        model = MLP(dim=8, hidden=19)
+    _wrap(model, _mesh(mesh_shape))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    dtensor_random.manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _check_meta_init():
+    a = _init_on_meta((4,), 5)
+    b = _init_on_meta((2, 2), 5)
+    c = _init_on_meta((2, 2), 6)
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), name  # the init does not depend on the sharding
+    assert not torch.equal(a["blocks.0.up.weight"], c["blocks.0.up.weight"])
+    assert torch.equal(a["blocks.0.norm.weight"], torch.ones(8))
+    bound = 1 / 8**0.5  # nn.Linear's kaiming-uniform bound for fan_in 8: the global fan-in
+    assert a["blocks.0.up.weight"].abs().max() <= bound and a["blocks.0.up.weight"].std() > bound / 3
+    return True
+
+
+def test_meta_device_model_initialised_shard_by_shard(ranks):
+    ranks(4).run(_check_meta_init)
