@@ -73,6 +73,45 @@ class DTensor(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=inner_tensors["_local_tensor"].requires_grad)
 
+    # ---- torch.distributed.checkpoint protocol ------------------------------------------------
+    # DCP asks each tensor for the chunk(s) this rank holds (global offsets and sizes) and for the
+    # data of a chunk; with these, DCP's planners save each rank's shard, deduplicate replicas and
+    # reshard on load (another mesh, world size, or a plain tensor).
+    def _checkpoint_chunk(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        if self._spec.has_partial():
+            raise ValueError(
+                f"cannot checkpoint a DTensor with Partial placements {self.placements}; redistribute to Replicate first"
+            )
+        return ChunkStorageMetadata(
+            offsets=torch.Size(self._spec.local_offset), sizes=torch.Size(self._spec.local_shape)
+        )
+
+    def __create_write_items__(self, fqn: str, object):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        chunk = self._checkpoint_chunk()
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self._wait_local()),
+                    size=torch.Size(self._spec.shape),
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self):
+        return [self._checkpoint_chunk()]
+
+    def __get_tensor_shard__(self, index):
+        self._checkpoint_chunk()
+        return self._wait_local()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from ._dispatch import dispatch
