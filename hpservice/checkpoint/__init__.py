@@ -1,0 +1,22 @@
+"""hpservice.checkpoint: sharded, atomic, resharding checkpoints on torch.distributed.checkpoint.
+
+manager = CheckpointManager("ckpt", keep=3, async_save=True)
+manager.save(step, model, optimizer, extra={"step": step})
+extra = manager.load(model, optimizer)           # any world size / mesh
+export_safetensors(manager.latest()["path"], "model.safetensors")
+"""
+
+from ._export import export_safetensors, load_full_state_dict
+from ._manager import CheckpointError, CheckpointInfo, CheckpointManager, verify_files
+from ._state import load_optimizer_state_dict, optimizer_state_dict
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "export_safetensors",
+    "load_full_state_dict",
+    "load_optimizer_state_dict",
+    "optimizer_state_dict",
+    "verify_files",
+]

@@ -1,0 +1,321 @@
+"""CheckpointManager: sharded, atomic, optionally asynchronous checkpoints of a training run.
+
+Layout under ``root``::
+
+    step-00000100/              a committed checkpoint (it has manifest.json)
+        .metadata, __R_0.distcp torch.distributed.checkpoint files (each rank writes its shards)
+        extra/rank-R.pt         each rank's trainer state (RNG states, data position, ...)
+        manifest.json           step, time, world size, metrics, every file's size and sha256
+    step-00000200.tmp/          being written, or left by a crash: never loaded, cleaned up
+
+Commit protocol: every rank writes into ``step-N.tmp/``; a barrier; rank 0 writes the manifest,
+then renames the directory to ``step-N/`` (one atomic rename); a barrier. A checkpoint without a
+manifest does not exist, so a crash at any moment leaves the previous checkpoint as ``latest()``.
+
+Async save: the state is copied to CPU ("staged") on the caller's thread, then a background
+thread writes and commits it while training continues. It communicates over a gloo group of its
+own, so its collectives never interleave with training's. The next ``save`` (and ``wait`` /
+``close``) waits for it; its errors are raised there, never dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from hpservice.dtensor import DTensor
+
+from ._state import load_optimizer_state_dict, optimizer_load_targets, optimizer_state_dict
+
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class CheckpointInfo(dict):
+    """One committed checkpoint: step, path, time, size (bytes), metrics."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _stage(value):
+    """A CPU copy of a state dict, so training can change the originals while it is written."""
+    if isinstance(value, DTensor):
+        return DTensor(value._wait_local().detach().to("cpu", copy=True), value._spec)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _stage(v) for k, v in value.items()}
+    if hasattr(value, "getvalue"):  # BytesIO
+        return type(value)(value.getvalue())
+    return value
+
+
+class CheckpointManager:
+    """Save, list, load and prune checkpoints of a (sharded) model and optimizer.
+
+    Every rank must create the manager and call ``save``/``load`` (they are collective).
+    ``keep``: committed checkpoints kept (newest first); ``best_metric``/``best_mode``: also keep
+    the best one by that metric.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep: int = 3,
+        async_save: bool = False,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+    ):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"CheckpointManager(keep): expected an int >= 1, got {keep!r}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"CheckpointManager(best_mode): expected 'min' or 'max', got {best_mode!r}")
+        self.root = Path(root)
+        self.keep = keep
+        self.async_save = async_save
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-ckpt") if async_save else None
+        self._pending: Future | None = None
+        self._before_commit = None  # test hook: called on every rank between shard files and manifest
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_incomplete()
+        self._barrier()
+
+    # ---- queries --------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first."""
+        out = []
+        if not self.root.is_dir():
+            return out
+        for entry in self.root.iterdir():
+            m = _STEP_DIR.match(entry.name)
+            manifest = entry / MANIFEST
+            if not m or not manifest.is_file():
+                continue
+            data = json.loads(manifest.read_text())
+            out.append(
+                CheckpointInfo(
+                    step=data["step"],
+                    path=str(entry),
+                    time=data["time"],
+                    size=sum(f["size"] for f in data["files"]),
+                    metrics=data.get("metrics", {}),
+                    world_size=data["world_size"],
+                )
+            )
+        return sorted(out, key=lambda c: c["step"])
+
+    def latest(self) -> CheckpointInfo | None:
+        checkpoints = self.list()
+        return checkpoints[-1] if checkpoints else None
+
+    # ---- save -----------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: dict[str, Any] | None = None,
+        *,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """Save ``model`` (and ``optimizer``) at ``step``; ``extra`` is this rank's trainer state."""
+        self.wait()
+        state: dict[str, Any] = {"model": model.state_dict()}
+        if optimizer is not None:
+            state["optim"] = optimizer_state_dict(model, optimizer)
+        extra = dict(extra or {})
+        if self.async_save:
+            staged = _stage(state)
+            self._pending = self._executor.submit(self._write_and_commit, step, staged, extra, metrics or {})
+        else:
+            self._write_and_commit(step, state, extra, metrics or {})
+
+    def wait(self) -> None:
+        """Wait for an async save in flight; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def _write_and_commit(self, step: int, state: dict, extra: dict, metrics: dict) -> None:
+        final = self.root / f"step-{step:08d}"
+        tmp = self.root / f"step-{step:08d}.tmp"
+        if _rank() == 0:
+            self._remove_incomplete()
+            tmp.mkdir(parents=True)
+        self._barrier()
+        with single_process_quiet(self._group is None):
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group, no_dist=self._group is None)
+        (tmp / "extra").mkdir(exist_ok=True)
+        torch.save(extra, tmp / "extra" / f"rank-{_rank()}.pt")
+        self._barrier()  # every rank's files are complete
+        if self._before_commit is not None:
+            self._before_commit()
+        if _rank() == 0:
+            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            manifest = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "time": time.time(),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "metrics": metrics,
+                "files": [
+                    {"name": str(p.relative_to(tmp)), "size": p.stat().st_size, "sha256": _sha256(p)} for p in files
+                ],
+            }
+            partial = tmp / (MANIFEST + ".part")
+            partial.write_text(json.dumps(manifest, indent=1))
+            os.replace(partial, tmp / MANIFEST)
+            if final.exists():  # re-saving a step replaces it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        self._barrier()
+
+    def _prune(self) -> None:
+        checkpoints = self.list()
+        keep = {c["step"] for c in checkpoints[-self.keep :]}
+        if self.best_metric is not None:
+            scored = [c for c in checkpoints if self.best_metric in c["metrics"]]
+            if scored:
+                pick = min if self.best_mode == "min" else max
+                keep.add(pick(scored, key=lambda c: c["metrics"][self.best_metric])["step"])
+        for c in checkpoints:
+            if c["step"] not in keep:
+                shutil.rmtree(c["path"], ignore_errors=True)
+
+    def _remove_incomplete(self) -> None:
+        for entry in self.root.iterdir():
+            ours = entry.is_dir() and _STEP_DIR.match(entry.name.removesuffix(".tmp"))
+            if ours and (entry.name.endswith(".tmp") or not (entry / MANIFEST).exists()):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    # ---- load -----------------------------------------------------------------------------
+    def resolve(self, step: int | str = "latest") -> Path:
+        if step == "latest":
+            info = self.latest()
+            if info is None:
+                raise CheckpointError(f"no committed checkpoint under {self.root}")
+            return Path(info["path"])
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise CheckpointError(f"step must be an int or 'latest', got {step!r}")
+        path = self.root / f"step-{step:08d}"
+        if not (path / MANIFEST).is_file():
+            available = [c["step"] for c in self.list()]
+            raise CheckpointError(f"no committed checkpoint for step {step} under {self.root} (available: {available})")
+        return path
+
+    def load(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int | str = "latest"
+    ) -> dict[str, Any]:
+        """Load into ``model`` (and ``optimizer``), resharding as needed; return this rank's ``extra``."""
+        self.wait()
+        path = self.resolve(step)
+        verify_files(path)
+        metadata = FileSystemReader(str(path)).read_metadata()
+        saved = {tuple(v): metadata.state_dict_metadata[k] for k, v in metadata.planner_data.items()}
+        state: dict[str, Any] = {"model": model.state_dict()}
+        check_shapes(saved, state["model"], "model")
+        if optimizer is not None:
+            if not any(k[0] == "optim" for k in saved):
+                raise CheckpointError(f"{path} holds no optimizer state")
+            state["optim"] = optimizer_load_targets(model, {k: v for k, v in saved.items() if k[0] == "optim"})
+        with single_process_quiet(self._group is None):
+            dcp.load(state, checkpoint_id=str(path), process_group=self._group, no_dist=self._group is None)
+        if optimizer is not None:
+            load_optimizer_state_dict(model, optimizer, state["optim"])
+        extra_dir = path / "extra"
+        mine = extra_dir / f"rank-{_rank()}.pt"
+        return torch.load(mine if mine.exists() else extra_dir / "rank-0.pt", weights_only=False)
+
+
+@contextlib.contextmanager
+def single_process_quiet(active: bool):
+    """DCP warns that it assumes a single process even when told so (no_dist=True): silence that."""
+    with warnings.catch_warnings():
+        if active:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def verify_files(path: Path, *, checksums: bool = False) -> dict:
+    """The manifest of ``path``, after checking every listed file exists with its size (and hash)."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is not a committed checkpoint (no {MANIFEST})")
+    manifest = json.loads(manifest_path.read_text())
+    for f in manifest["files"]:
+        p = path / f["name"]
+        if not p.is_file():
+            raise CheckpointError(f"{path} is incomplete: {f['name']} is missing")
+        if p.stat().st_size != f["size"]:
+            raise CheckpointError(
+                f"{path} is corrupt: {f['name']} has {p.stat().st_size} bytes, manifest says {f['size']}"
+            )
+        if checksums and _sha256(p) != f["sha256"]:
+            raise CheckpointError(f"{path} is corrupt: {f['name']} fails its sha256 check")
+    return manifest
+
+
+def check_shapes(saved: dict[tuple, Any], targets: dict[str, Any], prefix: str) -> None:
+    """Name every missing key and every shape mismatch before loading anything."""
+    missing, mismatched = [], []
+    for name, value in targets.items():
+        md = saved.get((prefix, name))
+        if md is None:
+            missing.append(name)
+        elif isinstance(value, torch.Tensor) and tuple(getattr(md, "size", ())) != tuple(value.shape):
+            mismatched.append(f"{name}: checkpoint {tuple(md.size)} vs model {tuple(value.shape)}")
+    if missing or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {missing}")
+        if mismatched:
+            parts.append(f"shape mismatches: {mismatched}")
+        raise CheckpointError("checkpoint does not match the model; " + "; ".join(parts))
