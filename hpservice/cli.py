@@ -10,8 +10,6 @@ _NOT_BUILT = {
     "run": "running a job locally (training runtime and Ray actor issues)",
     "submit": "submitting a job to the service (control-plane issue)",
     "serve": "the REST control plane (control-plane issue)",
-    "validate": "job spec validation (training-runtime issue)",
-    "schema": "the job spec JSON Schema (training-runtime issue)",
 }
 
 
@@ -21,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the DTensor core demo on local gloo ranks")
     demo.add_argument("--ranks", type=int, default=4, help="number of local ranks (even, >= 2)")
     sub.add_parser("version", help="print the version")
+    validate = sub.add_parser("validate", help="check a job file; print its errors with field paths")
+    validate.add_argument("job")
+    validate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    sub.add_parser("schema", help="print the job spec's JSON Schema (for editor completion)")
     export = sub.add_parser("export", help="write a sharded checkpoint's full model weights to a .safetensors file")
     export.add_argument("checkpoint", help="a committed checkpoint directory (step-N)")
     export.add_argument("out", help="output .safetensors path")
@@ -38,6 +40,25 @@ def main(argv: list[str] | None = None) -> int:
         from hpservice.demo import run_demo
 
         return run_demo(args.ranks)
+    if args.command == "validate":
+        from hpservice.spec import SpecError, load_job
+
+        try:
+            spec = load_job(args.job, args.set)
+        except SpecError as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(
+            f"{args.job}: valid job {spec.name!r} ({spec.model.name}/{spec.model.flavor}, {spec.training.steps} steps)"
+        )
+        return 0
+    if args.command == "schema":
+        import json
+
+        from hpservice.spec import JobSpec
+
+        print(json.dumps(JobSpec.model_json_schema(by_alias=True), indent=2))
+        return 0
     if args.command == "export":
         from hpservice.checkpoint import CheckpointError, export_safetensors
 

@@ -1,0 +1,218 @@
+"""The job spec: one pydantic model for a whole training job, shared by every layer.
+
+The trainer, the Ray actors, the REST API and the CLI all read the same ``JobSpec``. Unknown
+fields are rejected (a typo must not silently fall back to a default), every error names its
+field path (``training.steps``), and YAML syntax errors name the line.
+
+A minimal job file::
+
+    name: tiny
+    model: {name: llama, flavor: tiny}
+    training: {steps: 100}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["JobSpec", "SpecError", "apply_overrides", "load_job", "parse_job"]
+
+
+class SpecError(ValueError):
+    """An invalid job spec; ``errors`` lists (field path, message) pairs."""
+
+    def __init__(self, message: str, errors: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.errors = errors or []
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class ModelSpec(_Section):
+    name: str = Field("llama", description="built-in model ('llama', 'mlp') or 'package.module:factory'")
+    flavor: str | None = Field("tiny", description="size preset of a built-in model (tiny, small, 1B, 8B)")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="config fields to change, or factory kwargs")
+
+
+class DataSpec(_Section):
+    kind: Literal["synthetic", "tokens", "text"] = Field(
+        "synthetic", description="synthetic tokens, a .bin token file, or a text file"
+    )
+    path: str | None = Field(None, description="file for kind 'tokens' or 'text'")
+    vocab_size: int | None = Field(None, gt=0, description="vocabulary size (synthetic data; defaults to the model's)")
+    seq_len: int = Field(64, gt=1, description="tokens per sample")
+    global_batch: int = Field(8, gt=0, description="samples per optimizer step, over all data-parallel ranks")
+    seed: int = Field(0, description="data order seed: the batch of a step depends only on (seed, step)")
+
+    @model_validator(mode="after")
+    def _path_for_files(self):
+        if self.kind in ("tokens", "text") and not self.path:
+            raise ValueError(f"data.path is required for kind {self.kind!r}")
+        return self
+
+
+class TrainingSpec(_Section):
+    steps: int = Field(100, gt=0, description="optimizer steps")
+    seed: int = Field(0, description="parameter init seed")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per step (gradients sync on the last only)")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="global gradient clipping norm; null disables clipping")
+    skip_nonfinite: bool = Field(False, description="skip a step whose loss is NaN/inf instead of failing the run")
+
+
+class OptimizerSpec(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.0, ge=0, description="sgd only")
+
+
+class LRSchedulerSpec(_Section):
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0")
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of optimizer.lr")
+
+
+class ParallelismSpec(_Section):
+    dp_replicate: int = Field(1, ge=1, description="HSDP replicate groups (across nodes)")
+    dp_shard: int = Field(-1, description="ranks a model is sharded over; -1 = the rest of the world")
+    tp: int = Field(1, ge=1, description="tensor parallel degree")
+    reshard_after_forward: bool = True
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    cpu_offload: bool = False
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _dp_shard(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("must be -1 (the rest of the world) or >= 1")
+        return v
+
+    @field_validator("tp")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("tensor parallelism (tp > 1) is not built yet")
+        return v
+
+    def resolve(self, world_size: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) for ``world_size`` ranks."""
+        rest, rem = divmod(world_size, self.dp_replicate * self.tp)
+        if rem:
+            raise SpecError(
+                f"parallelism: world size {world_size} is not divisible by dp_replicate x tp = {self.dp_replicate * self.tp}"
+            )
+        shard = rest if self.dp_shard == -1 else self.dp_shard
+        if self.dp_replicate * shard * self.tp != world_size:
+            raise SpecError(
+                f"parallelism: dp_replicate {self.dp_replicate} x dp_shard {shard} x tp {self.tp} != world size {world_size}"
+            )
+        return self.dp_replicate, shard
+
+
+class ResourcesSpec(_Section):
+    workers: int = Field(1, ge=1, description="training workers (one per GPU, or per CPU slot)")
+    use_gpu: Literal["auto"] | bool = "auto"
+    cpus_per_worker: float = Field(1.0, gt=0)
+
+
+class CheckpointSpec(_Section):
+    interval: int = Field(0, ge=0, description="save every N steps and at the end; 0 saves nothing")
+    keep: int = Field(3, ge=1)
+    dir: str = Field("checkpoints", description="checkpoint root directory")
+    async_: bool = Field(False, alias="async", description="write checkpoints in the background")
+    resume_from: str | None = Field(None, description="'latest' or a checkpoint directory")
+
+
+class FailureSpec(_Section):
+    max_restarts: int = Field(0, ge=0)
+    step_timeout_s: float = Field(600.0, gt=0, description="a step making no progress this long is a hang")
+
+
+class MetricsSpec(_Section):
+    log_every: int = Field(1, ge=1)
+    tensorboard: bool = False
+    dir: str = Field("runs", description="where metrics.jsonl (and TensorBoard events) go, under <dir>/<name>")
+
+
+class JobSpec(_Section):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="job name")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    lr_scheduler: LRSchedulerSpec = Field(default_factory=LRSchedulerSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+
+    @model_validator(mode="after")
+    def _batch_divides(self):
+        if self.data.global_batch % self.training.grad_accum:
+            raise ValueError(
+                f"data.global_batch {self.data.global_batch} is not divisible by training.grad_accum {self.training.grad_accum}"
+            )
+        return self
+
+
+def _field_path(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "<root>"
+
+
+def parse_job(data: Any, *, source: str = "job") -> JobSpec:
+    """Validate a mapping into a JobSpec; raise SpecError naming every bad field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping of sections, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        errors = [(_field_path(err["loc"]), err["msg"]) for err in e.errors()]
+        lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
+        raise SpecError(f"{source}: invalid job spec\n{lines}", errors) from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``key.path=value`` overrides (values parsed as YAML) to a job mapping."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SpecError(f"override {item!r}: expected key.path=value")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read a YAML job file; YAML errors name the line, spec errors the field path."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read job file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError(f"{where}: YAML syntax error: {problem}") from None
+    data = data if data is not None else {}
+    if overrides:
+        if not isinstance(data, dict):
+            raise SpecError(f"{path}: expected a mapping of sections")
+        apply_overrides(data, overrides)
+    return parse_job(data, source=str(path))

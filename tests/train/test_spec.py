@@ -1,0 +1,83 @@
+"""The job spec: good files load, bad ones name the field path (or the YAML line)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpservice.cli import main
+from hpservice.spec import JobSpec, SpecError, apply_overrides, load_job, parse_job
+
+EXAMPLES = sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid(path):
+    spec = load_job(path)
+    assert spec.name and spec.training.steps > 0
+
+
+def test_defaults_and_aliases():
+    spec = parse_job({"name": "a", "checkpoint": {"async": True}})
+    assert spec.checkpoint.async_ is True and spec.model.name == "llama" and spec.parallelism.dp_shard == -1
+    assert spec.parallelism.resolve(4) == (1, 4)
+    assert parse_job({"name": "a", "parallelism": {"dp_replicate": 2}}).parallelism.resolve(4) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "data,path,message",
+    [
+        ({"name": "a", "training": {"steps": 0}}, "training.steps", "greater than 0"),
+        ({"name": "a", "trainig": {}}, "trainig", "Extra inputs are not permitted"),
+        ({"name": "a", "model": {"flavour": "tiny"}}, "model.flavour", "Extra inputs"),
+        ({"name": "a", "parallelism": {"dp_shard": 0}}, "parallelism.dp_shard", "-1"),
+        ({"name": "a", "parallelism": {"tp": 2}}, "parallelism.tp", "not built yet"),
+        ({"name": "a", "data": {"kind": "tokens"}}, "data", "data.path is required"),
+        ({"name": "a", "data": {"kind": "parquet"}}, "data.kind", "'synthetic', 'tokens' or 'text'"),
+        ({"name": "bad name!"}, "name", "should match pattern"),
+        ({}, "name", "Field required"),
+        ({"name": "a", "data": {"global_batch": 6}, "training": {"grad_accum": 4}}, "<root>", "not divisible"),
+    ],
+)
+def test_errors_name_the_field_path(data, path, message):
+    with pytest.raises(SpecError) as e:
+        parse_job(data)
+    assert any(p == path and message in m for p, m in e.value.errors), e.value.errors
+    assert path in str(e.value)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    bad = tmp_path / "job.yaml"
+    bad.write_text("name: a\ntraining:\n  steps: [1\n")
+    with pytest.raises(SpecError, match=r"job.yaml:4:1: YAML syntax error"):
+        load_job(bad)
+    with pytest.raises(SpecError, match="cannot read job file"):
+        load_job(tmp_path / "missing.yaml")
+
+
+def test_world_size_must_fit_parallelism():
+    spec = parse_job({"name": "a", "parallelism": {"dp_replicate": 2}})
+    with pytest.raises(SpecError, match="world size 3 is not divisible by dp_replicate x tp = 2"):
+        spec.parallelism.resolve(3)
+    with pytest.raises(SpecError, match="dp_shard 3 x tp 1 != world size 4"):
+        parse_job({"name": "a", "parallelism": {"dp_shard": 3}}).parallelism.resolve(4)
+
+
+def test_overrides():
+    data = apply_overrides({"name": "a"}, ["training.steps=5", "optimizer.lr=1e-3", "model.overrides.dim=32"])
+    spec = parse_job(data)
+    assert spec.training.steps == 5 and spec.optimizer.lr == 1e-3 and spec.model.overrides == {"dim": 32}
+    with pytest.raises(SpecError, match="expected key.path=value"):
+        apply_overrides({}, ["training.steps"])
+
+
+def test_cli_validate_and_schema(tmp_path, capsys):
+    assert main(["validate", str(EXAMPLES[0])]) == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: a\ntraining: {steps: -1}\n")
+    assert main(["validate", str(bad)]) == 1
+    assert "training.steps" in capsys.readouterr().err
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "JobSpec" and "training" in schema["properties"]
+    assert JobSpec.model_json_schema()["additionalProperties"] is False
