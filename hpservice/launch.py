@@ -61,13 +61,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results,
     while True:
         task = tasks.get()
         if task is None:
-            break
+            return  # the process exits; its gloo connections close with it
         call_id, fn, args, kwargs = task
         try:
             results.put((call_id, rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((call_id, rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
 
 
 class RankPool:
@@ -185,8 +184,9 @@ class RankPool:
         if self.alive():
             for q in self._tasks:
                 q.put(None)
+            deadline = time.monotonic() + 3.0
             for p in self._procs:
-                p.join(timeout=5)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         self.close()
 
 

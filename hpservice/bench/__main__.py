@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import redistribute
+from hpservice.bench import fsdp, redistribute
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="benchmark", required=True)
     redistribute.add_parser(sub)
+    fsdp.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -67,7 +67,7 @@ def test_overrides():
     data = apply_overrides({"name": "a"}, ["training.steps=5", "optimizer.lr=1e-3", "model.overrides.dim=32"])
     spec = parse_job(data)
     assert spec.training.steps == 5 and spec.optimizer.lr == 1e-3 and spec.model.overrides == {"dim": 32}
-    with pytest.raises(SpecError, match="expected key.path=value"):
+    with pytest.raises(SpecError, match=r"expected key\.path=value"):
         apply_overrides({}, ["training.steps"])
 
 

@@ -1,0 +1,633 @@
+"""FSDP benchmark: ``hpservice.fsdp.fully_shard`` against torch FSDP2 and DDP, step by step.
+
+What is measured: whole training steps (``zero_grad``, forward, loss, backward, AdamW ``step``)
+of the same model, from the same initial values, on the same data, in four configurations:
+
+- ``ours``   hpservice.fsdp.fully_shard on an ``hpservice.dtensor`` mesh (each block, then the root)
+- ``fsdp2``  torch.distributed.fsdp.fully_shard on a torch mesh, wrapped the same way
+- ``ddp``    torch.nn.parallel.DistributedDataParallel (default buckets)
+- ``single`` one process on the concatenated global batch: the loss every other config must match
+
+The three distributed configs live side by side in the same rank processes (one ``run_ranks``
+call) and take turns one step at a time, rotating which goes first, so machine noise (N ranks
+on few cores, other processes) hits all of them alike. Every rank trains on its slice of a
+deterministic global batch (``torch.chunk`` of it along dim 0). ``single`` runs afterwards on
+rank 0, on the whole global batch, for as many steps.
+
+Per config, reported:
+
+- step ms: each rank's median over the timed steps (every step starts with a barrier, so the
+  ranks start together); the slowest rank's median is reported, since a step with collectives
+  is as slow as its slowest rank. ``single`` does the work of all ranks in one process.
+- tracked MiB/rank: bytes of the parameters, gradients and AdamW state that a rank holds after
+  a step: the local tensors of DTensors (ours, FSDP2), the full tensors for DDP and single;
+  the largest rank is reported. Transient memory (all-gathered parameters, activations, DDP
+  buckets) is not in it: see RSS.
+- RSS peak MiB: all configs share one process, so ``ru_maxrss`` (reported once, in the header)
+  cannot tell them apart. Instead one untimed step per config runs after ``gc.collect()`` and
+  ``malloc_trim(0)`` with a thread polling the resident set size (``/proc/self/statm``); the
+  peak seen is reported, and ``+step`` is that peak minus the RSS just before the step (what
+  the step itself allocated: activations, unsharded parameters, gradients, buckets). Since the
+  other configs' models stay resident, compare ``+step`` across configs, not the peak.
+- coll/step: collectives issued during one untimed step. ours: calls of ``all_gather_flat``,
+  ``reduce_scatter_flat`` and ``all_reduce_flat`` (patched in ``_fsdp_param_group``); FSDP2:
+  calls of the ``torch.distributed`` collectives it uses (patched on the module); DDP: its
+  reducer calls the process group from C++, so its backend collectives are counted with
+  ``torch.profiler`` instead (events named ``gloo:*``).
+- final loss: the loss of the last step, mean over ranks (each rank's slice is the same size,
+  so that is the global-batch loss), and its distance to the single-process loss.
+
+Steps per config: ``--warmup`` untimed steps, ``--steps`` timed steps, then one step counting
+collectives and one sampling RSS (last, so both see the steady state: DDP, for one, broadcasts
+its rebuilt bucket order in its second step). All are training steps of the same trajectory;
+the final loss is that of the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import gc
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpservice.launch import run_ranks
+
+__all__ = ["MLP", "ModelSpec", "Transformer", "add_parser", "bench_rank", "combine", "format_table", "summary"]
+
+CONFIGS = ("ours", "fsdp2", "ddp")
+REFERENCE = "single"
+LR = 1e-3
+DEFAULT_STEPS = 20
+DEFAULT_WARMUP = 3
+QUICK_STEPS = 3
+QUICK_WARMUP = 1
+# torch.distributed collectives FSDP2 may issue (2.13 names and the older ones).
+_TORCH_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+)
+_OUR_COLLECTIVES = ("all_gather_flat", "reduce_scatter_flat", "all_reduce_flat")
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Model and data sizes. ``batch`` is per rank: sequences (transformer) or rows (mlp)."""
+
+    kind: str  # "mlp" or "transformer"
+    dim: int
+    depth: int
+    batch: int
+    heads: int = 0
+    vocab: int = 0
+    seq: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "mlp":
+            return f"{self.depth} residual MLP blocks, dim {self.dim} (hidden {4 * self.dim})"
+        return (
+            f"decoder-only transformer: {self.depth} layers, dim {self.dim}, {self.heads} heads, "
+            f"vocab {self.vocab}, seq {self.seq}"
+        )
+
+    def batch_desc(self, world: int) -> str:
+        unit = "rows" if self.kind == "mlp" else f"sequences of {self.seq} tokens"
+        return f"{self.batch} {unit} per rank, {self.batch * world} global"
+
+
+SPECS = {
+    ("mlp", False): ModelSpec("mlp", dim=384, depth=4, batch=64),
+    ("mlp", True): ModelSpec("mlp", dim=32, depth=2, batch=4),
+    ("transformer", False): ModelSpec("transformer", dim=256, depth=4, batch=4, heads=4, vocab=1024, seq=64),
+    ("transformer", True): ModelSpec("transformer", dim=32, depth=2, batch=2, heads=2, vocab=64, seq=8),
+}
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP: ``x + fc2(gelu(fc1(norm(x))))``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Transformer(nn.Module):
+    """Token + position embeddings, decoder blocks, final norm, untied head."""
+
+    def __init__(self, vocab: int, dim: int, depth: int, heads: int, seq: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(DecoderBlock(dim, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_model(spec: ModelSpec) -> nn.Module:
+    if spec.kind == "mlp":
+        return MLP(spec.dim, spec.depth)
+    return Transformer(spec.vocab, spec.dim, spec.depth, spec.heads, spec.seq)
+
+
+def global_batch(spec: ModelSpec, step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: the same on every rank and in every config."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    n = spec.batch * world
+    if spec.kind == "mlp":
+        return torch.randn(n, spec.dim, generator=g), torch.randn(n, spec.dim, generator=g)
+    tokens = torch.randint(0, spec.vocab, (n, spec.seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def compute_loss(spec: ModelSpec, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if spec.kind == "mlp":
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+# ---- the configurations ----------------------------------------------------------------------
+
+
+def _wrap_ours(model: nn.Module, world: int) -> nn.Module:
+    from hpservice.dtensor import init_device_mesh
+    from hpservice.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _wrap_fsdp2(model: nn.Module, world: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _wrap_ddp(model: nn.Module, world: int) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(model)
+
+
+_WRAPPERS: dict[str, Callable[[nn.Module, int], nn.Module]] = {
+    "ours": _wrap_ours,
+    "fsdp2": _wrap_fsdp2,
+    "ddp": _wrap_ddp,
+    REFERENCE: lambda model, world: model,
+}
+
+
+class _Trainer:
+    """One configuration: its model, AdamW, and what was measured."""
+
+    def __init__(self, name: str, spec: ModelSpec, base: nn.Module, world: int):
+        self.name = name
+        self.spec = spec
+        self.model = _WRAPPERS[name](copy.deepcopy(base), world)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.01)
+        self.times_s: list[float] = []
+        self.loss = math.nan
+        self.collectives: int | None = None
+        self.collective_kinds: dict[str, int] = {}
+        self.rss_before = 0
+        self.rss_peak = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad()
+        loss = compute_loss(self.spec, self.model, x, y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def timed_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> float:
+        if barrier:
+            dist.barrier()
+        start = time.perf_counter()
+        loss = self.step(x, y)
+        elapsed = time.perf_counter() - start
+        self.loss = loss.item()
+        return elapsed
+
+    def count_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        counter = {"ours": _count_ours, "fsdp2": _count_torch, "ddp": _count_profiled}.get(self.name)
+        if counter is None:
+            self.collectives = 0
+            self.timed_step(x, y, barrier=False)
+            return
+        dist.barrier()
+        with counter() as counts:
+            self.loss = self.step(x, y).item()
+        self.collectives = sum(counts.values())
+        self.collective_kinds = {k: v for k, v in counts.items() if v}
+
+    def rss_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> None:
+        gc.collect()
+        _malloc_trim()
+        if barrier:
+            dist.barrier()
+        self.rss_before = _rss_bytes()
+        with _RssSampler() as sampler:
+            self.loss = self.step(x, y).item()
+        self.rss_peak = max(sampler.peak, self.rss_before)
+
+    def result(self) -> dict:
+        return {
+            "step_ms": statistics.median(self.times_s) * 1e3,
+            "tracked_bytes": tracked_bytes(self.model, self.opt),
+            "rss_peak_bytes": self.rss_peak,
+            "rss_step_bytes": self.rss_peak - self.rss_before,
+            "collectives_per_step": self.collectives,
+            "collective_kinds": self.collective_kinds,
+            "final_loss": self.loss,
+        }
+
+
+def _local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of what this rank holds of ``t``: the local tensor of a DTensor (ours or torch's)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def tracked_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Parameters + gradients + optimizer state held by this rank (local tensors)."""
+    total = 0
+    for p in model.parameters():
+        total += _local_nbytes(p)
+        if p.grad is not None:
+            total += _local_nbytes(p.grad)
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += _local_nbytes(value)
+    return total
+
+
+# ---- counting collectives --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _patched(module, names: Sequence[str]) -> Iterator[dict[str, int]]:
+    """Count calls of ``module.<name>`` for each name the module has, while inside."""
+    counts = {name: 0 for name in names if hasattr(module, name)}
+    originals = {name: getattr(module, name) for name in counts}
+
+    def counting(name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for name, fn in originals.items():
+        setattr(module, name, counting(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+
+
+def _count_ours() -> contextlib.AbstractContextManager[dict[str, int]]:
+    import hpservice.fsdp._fsdp_param_group as group_module
+
+    return _patched(group_module, _OUR_COLLECTIVES)
+
+
+def _count_torch() -> contextlib.AbstractContextManager[dict[str, int]]:
+    return _patched(dist, _TORCH_COLLECTIVES)
+
+
+@contextlib.contextmanager
+def _silenced_stderr() -> Iterator[None]:
+    """The profiler's C++ side prints start/stop lines on fd 2; keep them out of the report."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def _count_profiled() -> Iterator[dict[str, int]]:
+    """Backend collectives (``gloo:all_reduce`` ...) recorded by torch.profiler while inside."""
+    counts: dict[str, int] = {}
+    with _silenced_stderr():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            yield counts
+        events = prof.events()
+    for event in events:
+        if event.name.startswith(("gloo:", "nccl:")):
+            counts[event.name] = counts.get(event.name, 0) + 1
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_bytes() -> int:
+    """Current resident set size (Linux ``/proc/self/statm``); ``ru_maxrss`` elsewhere."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return _max_rss_bytes()
+
+
+def _max_rss_bytes() -> int:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib if sys.platform == "darwin" else kib * 1024
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap memory back to the OS (glibc), so RSS before a step is the live memory."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class _RssSampler:
+    """Polls the RSS on a thread while inside; ``peak`` is the largest value seen. torch ops
+    release the GIL while they run, so the thread samples during forward and backward too."""
+
+    def __init__(self, interval_s: float = 2e-4):
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> _RssSampler:
+        self.peak = _rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+# ---- per rank --------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return t.chunk(world)[rank]
+
+
+def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
+    """Run on every rank: train every distributed config, interleaved; rank 0 then runs the
+    single-process reference. Returns this rank's medians, memory, counts and final losses."""
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = make_model(spec)
+    trainers = [_Trainer(name, spec, base, world) for name in CONFIGS]
+    count_step, rss_step = warmup + steps, warmup + steps + 1
+    for step in range(warmup + steps + 2):
+        x, y = global_batch(spec, step, world)
+        x, y = _local(x, rank, world), _local(y, rank, world)
+        shift = step % len(trainers)
+        for t in trainers[shift:] + trainers[:shift]:
+            if step == count_step:
+                t.count_step(x, y)
+            elif step == rss_step:
+                t.rss_step(x, y, barrier=True)
+            else:
+                elapsed = t.timed_step(x, y, barrier=True)
+                if step >= warmup:
+                    t.times_s.append(elapsed)
+    results = {t.name: t.result() for t in trainers}
+    # The reference last, alone on rank 0: no collective is left that the other ranks wait in.
+    if rank == 0:
+        del trainers
+        single = _Trainer(REFERENCE, spec, base, world)
+        for step in range(warmup + steps + 2):
+            x, y = global_batch(spec, step, world)
+            if step == count_step:
+                single.count_step(x, y)
+            elif step == rss_step:
+                single.rss_step(x, y, barrier=False)
+            else:
+                elapsed = single.timed_step(x, y, barrier=False)
+                if step >= warmup:
+                    single.times_s.append(elapsed)
+        results[REFERENCE] = single.result()
+    return {"rank": rank, "results": results, "max_rss_bytes": _max_rss_bytes()}
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+_MIB = 2**20
+
+
+def combine(per_rank: Sequence[dict]) -> dict[str, dict]:
+    """One row per config: slowest rank's median, largest rank's memory, mean final loss."""
+    rows: dict[str, dict] = {}
+    for name in (*CONFIGS, REFERENCE):
+        got = [r["results"][name] for r in per_rank if name in r["results"]]
+        counts = {g["collectives_per_step"] for g in got}
+        rows[name] = {
+            "step_ms": max(g["step_ms"] for g in got),
+            "tracked_mib": max(g["tracked_bytes"] for g in got) / _MIB,
+            "rss_peak_mib": max(g["rss_peak_bytes"] for g in got) / _MIB,
+            "rss_step_mib": max(g["rss_step_bytes"] for g in got) / _MIB,
+            "collectives_per_step": counts.pop() if len(counts) == 1 else None,  # None: ranks disagree
+            "collective_kinds": got[0]["collective_kinds"],
+            "final_loss": statistics.fmean(g["final_loss"] for g in got),
+        }
+    ref = rows[REFERENCE]["final_loss"]
+    for row in rows.values():
+        row["loss_diff_vs_single"] = abs(row["final_loss"] - ref)
+    return rows
+
+
+def format_table(rows: dict[str, dict]) -> str:
+    header = (
+        f"{'config':<8} {'step ms':>9} {'tracked MiB/rank':>17} {'RSS peak MiB':>13} {'+step MiB':>10} "
+        f"{'coll/step':>10} {'final loss':>12} {'|loss - single|':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, r in rows.items():
+        coll = "n/a" if r["collectives_per_step"] is None else str(r["collectives_per_step"])
+        label = name + ("*" if name == REFERENCE else "")
+        lines.append(
+            f"{label:<8} {r['step_ms']:>9.2f} {r['tracked_mib']:>17.2f} {r['rss_peak_mib']:>13.1f} "
+            f"{r['rss_step_mib']:>10.1f} {coll:>10} {r['final_loss']:>12.6f} {r['loss_diff_vs_single']:>16.2e}"
+        )
+    lines.append("* one process on the global batch (all ranks' work), run on rank 0 after the others")
+    return "\n".join(lines)
+
+
+def ratios(rows: dict[str, dict]) -> dict[str, float]:
+    ours = rows["ours"]
+    return {
+        "step_time_ratio_vs_fsdp2": ours["step_ms"] / rows["fsdp2"]["step_ms"],
+        "step_time_ratio_vs_ddp": ours["step_ms"] / rows["ddp"]["step_ms"],
+        "memory_ratio_vs_fsdp2": ours["tracked_mib"] / rows["fsdp2"]["tracked_mib"],
+        "memory_ratio_vs_ddp": ours["tracked_mib"] / rows["ddp"]["tracked_mib"],
+    }
+
+
+def summary(rows: dict[str, dict], spec: ModelSpec, world: int, steps: int, warmup: int, max_rss: int) -> dict:
+    return {
+        "bench": "fsdp",
+        "model": spec.kind,
+        "model_spec": asdict(spec),
+        "world_size": world,
+        "steps": steps,
+        "warmup": warmup,
+        **ratios(rows),
+        "max_loss_diff_vs_single": max(rows[name]["loss_diff_vs_single"] for name in CONFIGS),
+        "max_rss_mib_per_rank": max_rss / _MIB,
+        "configs": rows,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table (and JSON); exit status 1 if a config's final loss is off the reference."""
+    if args.world_size < 2:
+        print("fsdp: --world-size must be >= 2")
+        return 2
+    spec = SPECS[(args.model, args.quick)]
+    steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else DEFAULT_STEPS
+    warmup = args.warmup if args.warmup is not None else QUICK_WARMUP if args.quick else DEFAULT_WARMUP
+    if steps < 1 or warmup < 0:
+        print("fsdp: --steps must be >= 1 and --warmup >= 0")
+        return 2
+    per_rank = run_ranks(bench_rank, args.world_size, spec, steps, warmup, timeout=args.timeout)
+    rows = combine(per_rank)
+    max_rss = max(r["max_rss_bytes"] for r in per_rank)
+    n_params = sum(p.numel() for p in make_model(spec).parameters())
+    print(
+        f"fsdp: hpservice.fsdp.fully_shard (ours) vs torch FSDP2 vs DDP; {args.world_size} gloo ranks x 1 thread\n"
+        f"model: {spec.describe()}, {n_params / 1e6:.2f}M params; batch: {spec.batch_desc(args.world_size)}; "
+        f"AdamW lr {LR}\n"
+        f"steps per config: {warmup} warm-up + {steps} timed + 1 counting collectives + 1 sampling RSS, "
+        f"configs interleaved step by step\n"
+        f"step ms: slowest rank's median; tracked: params + grads + AdamW state a rank holds; "
+        f"peak ru_maxrss of a rank process (all configs): {max_rss / _MIB:.1f} MiB\n"
+    )
+    print(format_table(rows))
+    r = ratios(rows)
+    print(
+        f"\nours/fsdp2: step time {r['step_time_ratio_vs_fsdp2']:.2f}x, "
+        f"tracked memory {r['memory_ratio_vs_fsdp2']:.2f}x\n"
+        f"ours/ddp:   step time {r['step_time_ratio_vs_ddp']:.2f}x, tracked memory {r['memory_ratio_vs_ddp']:.2f}x"
+    )
+    report = summary(rows, spec, args.world_size, steps, warmup, max_rss)
+    if args.json:
+        print(json.dumps(report))
+    return 0 if report["max_loss_diff_vs_single"] <= args.loss_tol else 1
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("fsdp", help="time training steps: hpservice fully_shard vs torch FSDP2 vs DDP")
+    p.add_argument("--world-size", type=int, default=2, help="number of local gloo ranks (default 2)")
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="model to train (default mlp)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed steps per config (default {DEFAULT_STEPS}, {QUICK_STEPS} with --quick)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed steps per config before the timed ones (default {DEFAULT_WARMUP}, {QUICK_WARMUP} with --quick)",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny model and few steps (for tests)")
+    p.add_argument("--json", action="store_true", help="also print one final line of JSON with all results")
+    p.add_argument(
+        "--loss-tol",
+        type=float,
+        default=1e-3,
+        help="exit with status 1 if a config's final loss is further than this from the single process",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    p.set_defaults(run=run)
