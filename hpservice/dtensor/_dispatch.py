@@ -107,7 +107,7 @@ def _replicated(func, args: tuple, kwargs: dict, spec: DTensorSpec):
     flat = [a._wait_local() if isinstance(a, DTensor) else a for a in flat]
     local_args, local_kwargs = tree_unflatten(flat, tree)
     out = func(*local_args, **local_kwargs)
-    if func._schema.is_mutable and args and isinstance(args[0], DTensor):
+    if _is_mutable(func) and args and isinstance(args[0], DTensor):
         return args[0]
     return _wrap(out, spec)
 
@@ -176,7 +176,39 @@ def _is_scalar(t: DTensor) -> bool:
     return t.ndim == 0 and t._spec.is_replicated()
 
 
+@functools.lru_cache(maxsize=2048)
+def _is_mutable(func) -> bool:
+    return func._schema.is_mutable
+
+
 def _pointwise(func, args: tuple, kwargs: dict):
+    # Fast path (an optimizer's per-parameter ops): flat positional args, no tensors in kwargs.
+    if not any(isinstance(a, list | tuple) for a in args) and not any(
+        isinstance(v, torch.Tensor) for v in kwargs.values()
+    ):
+        first = args[0]
+        if isinstance(first, DTensor) and not first._spec.has_partial():
+            spec = first._spec
+            local_args = []
+            for a in args:
+                if isinstance(a, DTensor):
+                    scalar = _is_scalar(a) and a._spec.mesh == spec.mesh
+                    if a._spec is not spec and not scalar and not _compatible(a._spec, spec):
+                        break
+                    local_args.append(a._wait_local())
+                elif isinstance(a, torch.Tensor) and a.ndim > 0:
+                    break
+                else:
+                    local_args.append(a)
+            else:
+                out = func(*local_args, **kwargs)
+                if _is_mutable(func):
+                    return first
+                return _wrap(out, spec)
+    return _pointwise_general(func, args, kwargs)
+
+
+def _pointwise_general(func, args: tuple, kwargs: dict):
     flat, tree = tree_flatten((args, kwargs))
     tensors = [a for a in flat if isinstance(a, DTensor)]
     spec = next((t._spec for t in tensors if not _is_scalar(t)), tensors[0]._spec)
@@ -203,7 +235,7 @@ def _pointwise(func, args: tuple, kwargs: dict):
         _check_partial(func, dts, flat)
     local_args, local_kwargs = tree_unflatten(flat, tree)
     out = func(*local_args, **local_kwargs)
-    if func._schema.is_mutable and args and isinstance(args[0], DTensor):
+    if _is_mutable(func) and args and isinstance(args[0], DTensor):
         return args[0]
     return _wrap(out, spec)
 
@@ -277,6 +309,6 @@ def _foreach(func, args: tuple, kwargs: dict):
     local_args = [unwrap(a, i) for i, a in enumerate(args)]
     local_kwargs = {k: unwrap(v, k) for k, v in kwargs.items()}
     out = func(*local_args, **local_kwargs)
-    if out is None or func._schema.is_mutable:
+    if out is None or _is_mutable(func):
         return None if out is None else selves
     return [DTensor(o, s, requires_grad=False) if s is not None else o for o, s in zip(out, specs, strict=True)]

@@ -92,11 +92,31 @@ class FSDPParam:
         dst.copy_(block.movedim(0, d))
 
     def copy_in_grad(self, grad: torch.Tensor, flat_in: torch.Tensor) -> None:
-        """Full gradient -> its rank-major slots of the reduce-scatter input ``(S, C)`` (cast there)."""
+        """Full gradient -> its rank-major slots of the reduce-scatter input ``(S, C)`` (cast there).
+
+        Padding positions get zeros; they reduce into padding, which is never read.
+        """
         d = self.shard_dim
-        dst = flat_in[:, self.offset : self.offset + self.numel].view((self.world,) + self.padded_shard_shape)
-        pad = self.chunk * self.world - self.shape[d]
-        if pad:  # padding reduces into padding, which is never read
+        dst = flat_in[:, self.offset : self.offset + self.numel]
+        n = self.shape[d]
+        if d == 0:
+            # Row-major, the padded full gradient is the gradient followed by zero rows, and rank r's
+            # slot holds rows [r*c, (r+1)*c): copy whole chunks, then the last partial one, no pad copy.
+            full_chunks, rem = divmod(n, self.chunk)
+            grad = grad.reshape(n, -1)
+            row = grad.shape[1]
+            if full_chunks:
+                dst[:full_chunks].copy_(grad[: full_chunks * self.chunk].reshape(full_chunks, self.numel))
+            if full_chunks < self.world:
+                tail = dst[full_chunks]
+                if rem:
+                    tail[: rem * row].copy_(grad[full_chunks * self.chunk :].reshape(-1))
+                tail[rem * row :].zero_()
+                dst[full_chunks + 1 :].zero_()
+            return
+        dst = dst.view((self.world,) + self.padded_shard_shape)
+        pad = self.chunk * self.world - n
+        if pad:
             grad = torch.nn.functional.pad(grad, [0, 0] * (grad.ndim - d - 1) + [0, pad])
         dst.copy_(grad.unflatten(d, (self.world, self.chunk)).movedim(d, 0))
 

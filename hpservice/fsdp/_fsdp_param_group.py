@@ -12,10 +12,11 @@ Buffers (S = shard group size, C = sum of the parameters' padded per-rank shard 
 - ``rs_in`` (S*C, reduce dtype) and ``rs_out`` (C): reduce-scatter input and output.
 - ``grad_flat`` (C, original dtype, shard device): the sharded gradients are views into it.
 
-All are allocated once. Those only needed around a collective (``ag_out``, ``rs_in``) and the
-unsharded parameters have their storage freed after use and regrown before the next use
-(``untyped_storage().resize_``), which keeps every view, and every tensor autograd saved,
-valid while the memory is returned between uses (AUDIT 13).
+All are allocated once and reused every step (AUDIT 13). The unsharded parameters' storage is
+freed on reshard and regrown before the next use (``untyped_storage().resize_``), which keeps
+every view, and every tensor autograd saved, valid while the memory is returned in between:
+that is what makes the model fit. The collective scratch buffers (``ag_out``, ``rs_in``) stay
+allocated: freeing them saved little and cost fresh pages (page faults) on every step.
 """
 
 from __future__ import annotations
@@ -104,9 +105,7 @@ class FSDPParamGroup:
         self.rs_out = torch.empty(self.numel, dtype=self.reduce_dtype, device=device)
         for p in params:
             p.init_unsharded(self.flat_unsharded, S * p.offset)
-        _free(self.ag_out)
         _free(self.flat_unsharded)
-        _free(self.rs_in)
 
         self.state = ShardState.SHARDED
         self._ag_work = None
@@ -136,7 +135,6 @@ class FSDPParamGroup:
         if self.state is not ShardState.SHARDED:
             return
         _regrow(self.flat_unsharded)
-        _regrow(self.ag_out)
         if self.ag_in is not self.flat_shard:
             self.ag_in.copy_(self.flat_shard, non_blocking=True)
         self._ag_work = all_gather_flat(self.ag_in, self.ag_out, self.shard_group)
@@ -153,7 +151,6 @@ class FSDPParamGroup:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
                 for p in self.params:
                     p.copy_out(gathered)
-            _free(self.ag_out)
             self.state = ShardState.UNSHARDED
 
     def use_unsharded(self) -> None:
@@ -195,10 +192,10 @@ class FSDPParamGroup:
         if self.reduce_dtype in _LOW_PRECISION and self.divide_factor is None:
             pre = float(_predivide_factor(self.world * self.replicas))
             return pre, factor / pre
-        return factor, 1.0
+        # fp32/fp64 cannot overflow here: divide only the reduced shard (S times less work).
+        return 1.0, factor
 
     def _issue_reduce_scatter(self) -> None:
-        _regrow(self.rs_in)
         flat_in = self.rs_in.view(self.world, self.numel)
         with torch.no_grad():
             for p in self.params:
@@ -221,7 +218,6 @@ class FSDPParamGroup:
         if self._rs_work is not None:
             self._rs_work.wait()
             self._rs_work = None
-        _free(self.rs_in)
         if self.replicas > 1:
             if self._unreduced is not None:
                 self.rs_out.add_(self._unreduced)

@@ -197,14 +197,16 @@ def _check_audit_13_persistent_buffers():
     groups = [s.group for s in model._fsdp_states(True)]
     before = [(g.rs_out.data_ptr(), g.grad_flat.data_ptr(), g.flat_shard.data_ptr()) for g in groups]
     unsharded = [[p.unsharded_param for p in g.params] for g in groups]
-    _train(model, 2)
+    _train(model, 1)
+    scratch = [(g.ag_out.data_ptr(), g.rs_in.data_ptr()) for g in groups]
+    _train(model, 1)
     after = [(g.rs_out.data_ptr(), g.grad_flat.data_ptr(), g.flat_shard.data_ptr()) for g in groups]
     assert before == after
     # The unsharded parameters are the same objects every step (their storage regrows in place).
     assert unsharded == [[p.unsharded_param for p in g.params] for g in groups]
-    # Between steps the unsharded parameters and the collective scratch hold no memory.
+    # Between steps the unsharded parameters hold no memory; the collective buffers are the same ones.
     assert all(g.flat_unsharded.untyped_storage().size() == 0 for g in groups)
-    assert all(g.rs_in.untyped_storage().size() == 0 and g.ag_out.untyped_storage().size() == 0 for g in groups)
+    assert scratch == [(g.ag_out.data_ptr(), g.rs_in.data_ptr()) for g in groups]
     return True
 
 
