@@ -1,0 +1,220 @@
+"""Model definitions for the training runtime, and a small registry to build them by name.
+
+Built-in models (each in one plain file):
+
+- ``"llama"``: Llama-style decoder (``llama.py``); flavors ``tiny``, ``small``, ``1B``, ``8B``.
+- ``"mlp"``: residual MLP for benchmarks (``mlp.py``); flavors ``tiny``, ``small``.
+
+A job can also name its own model as ``"package.module:factory"``: the module is imported and
+``factory(**overrides)`` must return an ``nn.Module``.
+
+Usage::
+
+    model = build_model("llama", "tiny")
+    model = build_model("llama", "8B", {"max_seq_len": 4096}, device="meta")
+    model = build_model("my_pkg.models:make_model", overrides={"width": 512})
+
+What the trainer can rely on for the built-ins:
+
+- **Blocks**: the repeated blocks are ``model.layers``, an ``nn.ModuleList`` (``model.blocks()``
+  returns the same list). Wrap each with ``fully_shard`` (and/or activation checkpointing), then
+  the root module, so the embedding/head land in the root group.
+- **Init**: ``model.init_weights()`` re-initialises every parameter in place using only
+  ``torch.nn.init.*`` on whole parameters (works on sharded DTensors) and recomputes the non-
+  persistent buffers (Llama's ``rope_cache``) on the parameters' device. Meta-device flows:
+  with ``hpservice.fsdp``: ``build_model(..., device="meta")`` -> ``fully_shard`` each block, then
+  the root (it allocates the shards on the mesh device; no ``to_empty``) -> ``init_weights()``;
+  without FSDP: ``build_model(..., device="meta")`` -> ``to_empty(device=...)`` -> ``init_weights()``
+  (which also re-ties a tied head that ``to_empty`` split). A normal (non-meta) build is already
+  initialised. ``trunc_normal_`` is avoided on purpose: torch's rejection-sampling version calls
+  ``.any()``, which sharded DTensors do not support.
+- **Forward**: ``model(tokens: LongTensor[B, S]) -> logits[B, S, vocab_size]``; the loss is the
+  trainer's (cross entropy on shifted tokens).
+- **MFU**: ``flops_per_token(model_config(name, flavor, overrides), seq_len)``; ``num_params(model)``.
+
+Registry errors are ``ValueError`` with a message naming the bad value and the allowed ones, except
+a factory that returns something other than an ``nn.Module`` (``TypeError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import types
+import typing
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import llama, mlp
+from .llama import LLAMA_FLAVORS, Llama, LlamaConfig, num_params
+from .mlp import MLP_FLAVORS, MLPConfig, MLPModel
+
+__all__ = [
+    "LLAMA_FLAVORS",
+    "MLP_FLAVORS",
+    "Llama",
+    "LlamaConfig",
+    "MLPConfig",
+    "MLPModel",
+    "build_model",
+    "flops_per_token",
+    "list_flavors",
+    "list_models",
+    "model_config",
+    "num_params",
+]
+
+_DEFAULT_FLAVOR = "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Builtin:
+    config_cls: type
+    model_cls: type[nn.Module]
+    flavors: dict[str, Any]
+
+
+_BUILTINS: dict[str, _Builtin] = {
+    "llama": _Builtin(LlamaConfig, Llama, LLAMA_FLAVORS),
+    "mlp": _Builtin(MLPConfig, MLPModel, MLP_FLAVORS),
+}
+
+
+def list_models() -> list[str]:
+    """Names of the built-in models (custom ``package.module:factory`` names are also accepted)."""
+    return sorted(_BUILTINS)
+
+
+def list_flavors(name: str) -> list[str]:
+    """Flavors of a built-in model, in table order (smallest first)."""
+    return list(_builtin(name).flavors)
+
+
+def model_config(name: str, flavor: str | None = None, overrides: dict | None = None):
+    """The config dataclass of a built-in model: the flavor's config (default ``"tiny"``) with
+    ``overrides`` applied. Unknown fields and wrongly typed values raise ``ValueError``."""
+    entry = _builtin(name)
+    flavor = _DEFAULT_FLAVOR if flavor is None else flavor
+    if flavor not in entry.flavors:
+        raise ValueError(f"unknown flavor {flavor!r} for model {name!r}; allowed flavors: {', '.join(entry.flavors)}")
+    return _apply_overrides(entry.flavors[flavor], overrides or {})
+
+
+def build_model(
+    name: str, flavor: str | None = None, overrides: dict | None = None, *, device: str | torch.device | None = None
+) -> nn.Module:
+    """Build a model by name.
+
+    - ``name``: ``"llama"`` / ``"mlp"`` (see ``list_models()``), or ``"package.module:factory"``.
+    - ``flavor``: a row of the built-in's flavor table (default ``"tiny"``); must be None for a factory.
+    - ``overrides``: config fields to replace (built-in) or keyword arguments of the factory.
+    - ``device``: build under ``torch.device(device)``; ``"meta"`` allocates nothing (then
+      ``to_empty(device=...)`` and ``init_weights()``). None: the current default device.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
+    if ":" in name:
+        if flavor is not None:
+            raise ValueError(
+                f"flavor {flavor!r} only applies to built-in models ({', '.join(list_models())}), not {name!r}"
+            )
+        factory = _resolve_factory(name)
+        with _device_context(device):
+            model = factory(**(overrides or {}))
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model factory {name!r} must return a torch.nn.Module, got {type(model).__name__}")
+        return model
+    cfg = model_config(name, flavor, overrides)
+    with _device_context(device):
+        return _BUILTINS[name].model_cls(cfg)
+
+
+def flops_per_token(cfg: LlamaConfig | MLPConfig, seq_len: int) -> int:
+    """Training FLOPs per token of a built-in model's config (see ``llama.flops_per_token``)."""
+    if isinstance(cfg, LlamaConfig):
+        return llama.flops_per_token(cfg, seq_len)
+    if isinstance(cfg, MLPConfig):
+        return mlp.flops_per_token(cfg, seq_len)
+    raise TypeError(f"flops_per_token: expected LlamaConfig or MLPConfig, got {type(cfg).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _builtin(name: str) -> _Builtin:
+    if name not in _BUILTINS:
+        raise ValueError(
+            f"unknown model {name!r}; built-in models: {', '.join(list_models())}, "
+            "or a custom factory written as 'package.module:factory'"
+        )
+    return _BUILTINS[name]
+
+
+def _device_context(device):
+    return contextlib.nullcontext() if device is None else torch.device(device)
+
+
+def _apply_overrides(cfg, overrides: dict):
+    if not isinstance(overrides, dict):
+        raise ValueError(f"overrides must be a dict of config fields, got {type(overrides).__name__}")
+    cls = type(cfg)
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    for key, value in overrides.items():
+        if key not in allowed:
+            raise ValueError(f"unknown {cls.__name__} field {key!r}; allowed fields: {', '.join(allowed)}")
+        if not _has_type(value, hints[key]):
+            hint = " (YAML reads 1e-5 as a string; write 1.0e-5)" if isinstance(value, str) else ""
+            raise ValueError(
+                f"{cls.__name__}.{key} must be {_type_name(hints[key])}, got {type(value).__name__} {value!r}{hint}"
+            )
+    return dataclasses.replace(cfg, **overrides)  # runs the config's own validation
+
+
+def _has_type(value, tp) -> bool:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return any(_has_type(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(tp, type) and isinstance(value, tp)
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _resolve_factory(spec: str):
+    module_name, sep, attr_path = spec.partition(":")
+    parts = attr_path.split(".")
+    if (
+        not sep
+        or ":" in attr_path
+        or not module_name
+        or not all(p.isidentifier() for p in module_name.split("."))
+        or not all(p.isidentifier() for p in parts)
+    ):
+        raise ValueError(f"custom model must be written 'package.module:factory', got {spec!r}")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"custom model {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    for part in parts:
+        if not hasattr(obj, part):
+            raise ValueError(f"custom model {spec!r}: {obj.__name__!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"custom model {spec!r}: {attr_path!r} is not callable")
+    return obj

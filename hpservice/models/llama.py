@@ -1,0 +1,387 @@
+"""A Llama-style decoder-only transformer, written to be read top to bottom.
+
+    tokens [B, S] -> tok_embeddings -> n_layers x TransformerBlock -> RMSNorm -> output -> logits [B, S, vocab]
+
+    TransformerBlock (pre-norm residual):
+        h   = x + Attention(RMSNorm(x))        # grouped-query causal self-attention with rotary positions
+        out = h + FeedForward(RMSNorm(h))      # SwiGLU MLP
+
+The same shapes as Meta's Llama 3 (``LLAMA_FLAVORS["1B"]`` / ``["8B"]``), in the style of nanoGPT /
+torchtitan. Training only: no KV cache. The Llama 3.1 long-context RoPE frequency scaling is not
+implemented (plain ``rope_theta`` frequencies).
+
+Initialisation contract (what the trainer relies on):
+
+- ``Llama(cfg)`` builds *and* initialises, so a normal build is ready to train.
+- ``Llama.init_weights()`` (re)initialises every parameter **in place** with ``torch.nn.init.*``
+  (``normal_``, ``ones_``) and never takes views or reshapes of a parameter, so
+  it works when the parameters are sharded DTensors (after ``fully_shard``). It also recomputes
+  the rotary buffer on the parameters' device. That allows building on the meta device::
+
+      with torch.device("meta"):
+          model = Llama(cfg)               # no memory, no compute
+
+      # single device:
+      model.to_empty(device="cuda")        # allocate (uninitialised; breaks a tie, init_weights re-ties)
+      model.init_weights()                 # fill params, recompute the rotary buffer
+
+      # hpservice.fsdp: fully_shard allocates each rank's (zero) shards on the mesh device itself,
+      # so no to_empty; init_weights then fills the DTensor shards (sharding-independent values).
+      for block in model.layers:
+          fully_shard(block, mesh=mesh)
+      fully_shard(model, mesh=mesh)
+      model.init_weights()
+
+- The transformer blocks are ``model.layers`` (an ``nn.ModuleList``): wrap each with
+  ``fully_shard`` (or activation checkpointing), then the root.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of a Llama model. The defaults are the ``"tiny"`` flavor."""
+
+    dim: int = 64
+    """Width of the residual stream (model dimension)."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Number of query heads; head_dim = dim // n_heads (must be even for rotary embeddings)."""
+    n_kv_heads: int = 2
+    """Number of key/value heads (grouped-query attention); must divide n_heads. Equal to n_heads: plain multi-head."""
+    vocab_size: int = 256
+    """Number of token ids (256: byte-level)."""
+    multiple_of: int = 16
+    """The SwiGLU hidden size is rounded up to a multiple of this (hardware-friendly shapes)."""
+    ffn_dim_multiplier: float | None = None
+    """Optional scale of the SwiGLU hidden size before rounding (Llama 3: 1.5 for 1B, 1.3 for 8B)."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies (Llama 3: 500000)."""
+    max_seq_len: int = 128
+    """Longest sequence the model accepts (length of the precomputed rotary table)."""
+    tie_embeddings: bool = False
+    """Share one weight between the token embedding and the output head."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"LlamaConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"LlamaConfig.dim // n_heads (head_dim = {self.head_dim}) must be even for rotary embeddings"
+            )
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(f"LlamaConfig.ffn_dim_multiplier must be positive or None, got {self.ffn_dim_multiplier}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"LlamaConfig.norm_eps must be positive, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size, as in Meta's reference: 2/3 of 4*dim, scaled, rounded up to multiple_of."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+LLAMA_FLAVORS: dict[str, LlamaConfig] = {
+    # Runs in well under a second on a laptop CPU: for tests.
+    "tiny": LlamaConfig(),
+    # Still CPU-friendly; for examples and small benchmarks.
+    "small": LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, max_seq_len=512),
+    # Llama 3.2 1B (about 1.24e9 parameters, tied embeddings).
+    "1B": LlamaConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+        tie_embeddings=True,
+    ),
+    # Llama 3.1 8B (about 8.03e9 parameters). Meta's params.json uses multiple_of 1024; the result,
+    # 14336, is the same with 256.
+    "8B": LlamaConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+        tie_embeddings=False,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 for stability."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """Rotary table: ``[max_seq_len, head_dim // 2, 2]`` float32, last dim = (cos, sin).
+
+    Channel pair i of position p is rotated by angle p * theta ** (-2i / head_dim).
+    """
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, freqs)  # [max_seq_len, head_dim // 2]
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive channel pairs (x0, x1) of ``x [B, S, H, head_dim]`` by the angles in
+    ``rope [S, head_dim // 2, 2]`` (Meta's interleaved layout)."""
+    x_pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, head_dim // 2, 2]
+    x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
+    cos = rope[:, None, :, 0]  # [S, 1, head_dim // 2]: broadcast over batch and heads
+    sin = rope[:, None, :, 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def _init_linear(linear: nn.Linear, std: float) -> None:
+    # Plain normal_, not trunc_normal_: recent torch implements trunc_normal_ by rejection sampling
+    # with a data-dependent ``.any()`` loop, which sharded DTensor parameters do not support.
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query attention (n_kv_heads key/value heads shared by
+    groups of n_heads // n_kv_heads query heads) and rotary positions on q and k."""
+
+    def __init__(self, cfg: LlamaConfig, init_std: float = 0.02):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.init_std = init_std  # std of the output projection (scaled down with depth)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def reset_parameters(self) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _init_linear(linear, 0.02)
+        _init_linear(self.wo, self.init_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+
+        # [B, S, H, D] -> [B, H, S, D], the layout scaled_dot_product_attention expects.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # Grouped-query attention: each key/value head serves n_heads // n_kv_heads query heads.
+        # Repeating them explicitly works with every SDPA backend (flash, efficient, cuDNN, math).
+        n_rep = self.n_heads // self.n_kv_heads
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # no mask is ever materialised
+
+        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, init_std: float = 0.02):
+        super().__init__()
+        self.init_std = init_std  # std of w2 and w3 (scaled down with depth)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def reset_parameters(self) -> None:
+        _init_linear(self.w1, 0.02)
+        _init_linear(self.w2, self.init_std)
+        _init_linear(self.w3, self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + ffn(norm(h))."""
+
+    def __init__(self, layer_id: int, cfg: LlamaConfig):
+        super().__init__()
+        # Residual-branch outputs get a smaller init the deeper the block (as in torchtitan).
+        init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, init_std)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, init_std)
+
+    def reset_parameters(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.feed_forward.reset_parameters()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, cfg) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight  # one Parameter, two uses
+        # Not saved in state_dict (persistent=False): it is a function of the config.
+        self.register_buffer(
+            "rope_cache", precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
+        )
+        self.init_weights()
+
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks (``self.layers``), the unit the trainer shards / checkpoints."""
+        return self.layers
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter in place and recompute the rotary buffer on the parameters' device.
+
+        Only ``torch.nn.init.*`` in-place calls on whole parameters, so sharded DTensor parameters work.
+        """
+        device = next(self.parameters()).device
+        self.rope_cache = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        std_out = self.cfg.dim**-0.5  # keeps the initial logits at unit scale
+        if self.cfg.tie_embeddings:
+            if self.output.weight is not self.tok_embeddings.weight:
+                # ``to_empty`` from the meta device gives each use its own Parameter: tie again.
+                self.output.weight = self.tok_embeddings.weight
+            # The shared weight gets the output head's scale: std 1.0 would make the logits sqrt(dim)
+            # times too large. The blocks' RMSNorms make the small embedding scale harmless.
+            nn.init.normal_(self.tok_embeddings.weight, std=std_out)
+        else:
+            nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+            nn.init.normal_(self.output.weight, std=std_out)
+        for layer in self.layers:
+            layer.reset_parameters()
+        self.norm.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: LongTensor [B, S] with S <= max_seq_len -> logits [B, S, vocab_size]."""
+        seq_len = tokens.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} is longer than LlamaConfig.max_seq_len ({self.cfg.max_seq_len})"
+            )
+        h = self.tok_embeddings(tokens)
+        rope = self.rope_cache[:seq_len]
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# Accounting for MFU
+# ----------------------------------------------------------------------------------------------
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters (a shared/tied parameter counts once; works on the meta device and on
+    DTensors, whose ``numel()`` is the global size). ``exclude_embedding`` leaves out
+    ``tok_embeddings`` when it exists (but not a head tied to it)."""
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding and isinstance(getattr(model, "tok_embeddings", None), nn.Embedding):
+        emb = model.tok_embeddings.weight
+        if not any(
+            p is emb for name, p in model.named_parameters(remove_duplicate=False) if "tok_embeddings" not in name
+        ):
+            total -= emb.numel()
+    return total
+
+
+def matmul_params(cfg: LlamaConfig) -> int:
+    """Parameters that take part in a matmul for every token: all Linear weights of the blocks plus
+    the output head (counted even when tied to the embedding: the head matmul still runs). The
+    embedding lookup is a gather and the norms are elementwise, so neither costs matmul FLOPs."""
+    hd = cfg.head_dim
+    attention = cfg.dim * cfg.n_heads * hd * 2 + cfg.dim * cfg.n_kv_heads * hd * 2  # wq, wo + wk, wv
+    ffn = 3 * cfg.dim * cfg.ffn_hidden_dim
+    return cfg.n_layers * (attention + ffn) + cfg.dim * cfg.vocab_size
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), the standard estimate used for MFU
+    (Kaplan et al. 2020; PaLM appendix B; nanoGPT, torchtitan)::
+
+        6 * N  +  12 * n_layers * dim * seq_len
+
+    - ``6 * N``: each of the N matmul parameters (``matmul_params``) does one multiply-add (2 FLOPs)
+      per token in the forward pass and two in the backward pass (gradients for input and weight).
+    - ``12 * n_layers * dim * seq_len``: attention scores (q @ k^T) and the weighted sum (p @ v),
+      2 * 2 * dim * seq_len FLOPs per token and layer forward, times 3 with the backward. This counts
+      the full seq_len x seq_len score matrix even though causal attention needs about half.
+
+    MFU = tokens_per_second * flops_per_token / peak_flops_per_second.
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
