@@ -1,0 +1,314 @@
+"""The training loop of a job. It knows nothing of Ray: it runs under torchrun, in a test's rank
+pool, or inside a Ray worker actor, wherever torch.distributed's env:// variables are set.
+
+Read it top to bottom: ``Trainer.__init__`` builds the mesh, the model (on the meta device, then
+sharded and initialised shard by shard), the optimizer, the LR schedule, the data and the
+checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hpservice.checkpoint import CheckpointManager
+from hpservice.data import build_source
+from hpservice.dtensor import DeviceMesh, DTensor, init_device_mesh
+from hpservice.dtensor import random as dtensor_random
+from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hpservice.launch import free_port
+from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
+from hpservice.spec import JobSpec
+
+log = logging.getLogger("hpservice.train")
+
+MetricsCallback = Callable[[dict], None]
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss)."""
+
+
+# ---- parallelism: small functions, as torchtitan applies them ---------------------------------
+def init_distributed(device_type: str) -> bool:
+    """Join torch.distributed from env:// (torchrun, Ray workers), or make a world of one.
+    Returns True if this call created the process group (the caller destroys it)."""
+    if dist.is_initialized():
+        return False
+    backend = dist.Backend.default_device_backend_map.get(device_type, "gloo")
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    return True
+
+
+def pick_device(spec: JobSpec) -> torch.device:
+    use_gpu = spec.resources.use_gpu
+    if use_gpu == "auto":
+        use_gpu = torch.cuda.is_available()
+    if use_gpu:
+        if not torch.cuda.is_available():
+            raise TrainingError("resources.use_gpu is true but no CUDA device is available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_mesh(spec: JobSpec, device: torch.device) -> DeviceMesh:
+    replicate, shard = spec.parallelism.resolve(dist.get_world_size())
+    if replicate > 1:
+        return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
+    """fully_shard each block, then the root (embeddings, final norm, head)."""
+    p = spec.parallelism
+    dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p.mixed_precision]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    offload = CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()
+    for block in model.layers:
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=p.reshard_after_forward, mp_policy=mp, offload_policy=offload
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+
+def build_optimizer(model: nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
+    o = spec.optimizer
+    if o.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+
+def lr_lambda(spec: JobSpec) -> Callable[[int], float]:
+    """Multiplier of optimizer.lr at a step: linear warm-up, then cosine/linear decay or constant."""
+    s, steps = spec.lr_scheduler, spec.training.steps
+
+    def factor(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        if s.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - s.warmup_steps) / max(1, steps - s.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if s.decay == "cosine" else 1 - progress
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
+
+    return factor
+
+
+def _global_mean(value: torch.Tensor) -> float:
+    t = value.detach().to(torch.float64).reshape(1)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+class Trainer:
+    """One training job on the ranks of the current torch.distributed world."""
+
+    def __init__(self, spec: JobSpec, *, on_metrics: MetricsCallback | None = None, log_to_stdout: bool = True):
+        self.spec = spec
+        self.on_metrics = on_metrics
+        self.device = pick_device(spec)
+        self._owns_group = init_distributed(self.device.type)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = build_mesh(spec, self.device)
+
+        m = spec.model
+        self.model = build_model(m.name, m.flavor, m.overrides, device="meta")
+        apply_fsdp(self.model, self.mesh, spec)
+        dtensor_random.manual_seed(spec.training.seed)
+        with torch.no_grad():
+            self.model.init_weights()  # shard by shard: the full model never exists on one rank
+
+        self.optimizer = build_optimizer(self.model, spec)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        if m.name in list_models():
+            config = model_config(m.name, m.flavor, m.overrides)
+            vocab = spec.data.vocab_size or config.vocab_size
+            self.flops_per_token = flops_per_token(config, spec.data.seq_len)
+        else:  # a custom factory: the 6N estimate
+            vocab = spec.data.vocab_size
+            self.flops_per_token = 6 * num_params(self.model)
+        if spec.data.kind == "synthetic" and vocab is None:
+            raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
+        self.data = build_source(
+            spec.data.kind,
+            path=spec.data.path,
+            vocab_size=vocab if spec.data.kind != "text" else None,
+            seed=spec.data.seed,
+        )
+        self.output_dir = Path(spec.metrics.dir) / spec.name
+        self.step = 0
+
+        c = spec.checkpoint
+        self.checkpoints = None
+        if c.interval or c.resume_from:
+            self.checkpoints = CheckpointManager(c.dir, keep=c.keep, async_save=c.async_)
+            if c.resume_from:
+                self._resume(c.resume_from)
+        self._metrics_file = None
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self._tb = self._tensorboard() if spec.metrics.tensorboard and self.rank == 0 else None
+        self._log_to_stdout = log_to_stdout
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _resume(self, resume_from: str) -> None:
+        """Continue exactly where a checkpoint left off: model, optimizer, schedule, RNG, data step."""
+        if resume_from == "latest":
+            if self.checkpoints.latest() is None:
+                log.info(
+                    "resume_from: latest, but no checkpoint under %s yet: starting fresh", self.spec.checkpoint.dir
+                )
+                return
+            extra = self.checkpoints.load(self.model, self.optimizer)
+        else:
+            path = Path(resume_from)
+            manager = CheckpointManager(path.parent)
+            extra = manager.load(self.model, self.optimizer, step=int(path.name.removeprefix("step-")))
+        self.step = extra["step"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng"])
+        dtensor_random.set_rng_state(extra["dtensor_rng"])
+
+    def save_checkpoint(self, metrics: dict | None = None) -> None:
+        extra = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "dtensor_rng": dtensor_random.get_rng_state(),
+            "data": {"seed": self.spec.data.seed, "step": self.step},
+        }
+        self.checkpoints.save(self.step, self.model, self.optimizer, extra, metrics=metrics)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        history = []
+        interval = self.spec.checkpoint.interval
+        try:
+            while self.step < self.spec.training.steps:
+                record = self.train_step()
+                history.append(record)
+                if interval and (self.step % interval == 0 or self.step == self.spec.training.steps):
+                    self.save_checkpoint({"loss": record["loss"]})
+        finally:
+            self.close()
+        return history
+
+    def train_step(self) -> dict:
+        spec = self.spec
+        start = time.perf_counter()
+        accum = spec.training.grad_accum
+        inputs, targets = self.data.batch(self.step, self.rank, self.world, spec.data.global_batch, spec.data.seq_len)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
+            self.model.set_requires_gradient_sync(micro == accum - 1)
+            logits = self.model(x)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
+            loss.backward()
+            loss_sum += loss.detach()
+        loss_value = _global_mean(loss_sum)
+        if not math.isfinite(loss_value):
+            self.optimizer.zero_grad()
+            if not spec.training.skip_nonfinite:
+                raise TrainingError(f"non-finite loss ({loss_value}) at step {self.step + 1}")
+            log.warning("step %d: non-finite loss, step skipped", self.step + 1)
+        max_norm = spec.training.max_grad_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        lr = self.scheduler.get_last_lr()[0]
+        if math.isfinite(loss_value):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = spec.data.global_batch * spec.data.seq_len
+        record = {
+            "step": self.step,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens / elapsed,
+            "step_time_s": elapsed,
+            **self._utilisation(tokens / elapsed),
+        }
+        self._report(record)
+        return record
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def _utilisation(self, tokens_per_s: float) -> dict:
+        achieved = self.flops_per_token * tokens_per_s / self.world  # FLOP/s per rank
+        out = {"achieved_tflops_per_rank": achieved / 1e12}
+        if self.device.type == "cuda":
+            peak = _cuda_peak_flops(self.device)
+            out["mfu"] = achieved / peak if peak else None
+            out["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        else:
+            out["mfu"] = None  # no meaningful peak on a CPU: report achieved FLOP/s instead
+            out["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return out
+
+    def _report(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        if self.on_metrics is not None:
+            self.on_metrics(record)
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+                self._tb.add_scalar(key, record[key], record["step"])
+        every = self.spec.metrics.log_every
+        if self._log_to_stdout and (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
+            print(
+                f"[{self.spec.name}] step {record['step']:>5}/{self.spec.training.steps}  loss {record['loss']:.4f}  "
+                f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
+                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step",
+                flush=True,
+            )
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise TrainingError(
+                "metrics.tensorboard: true needs the tensorboard package (pip install tensorboard)"
+            ) from e
+        return SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+        if self._tb is not None:
+            self._tb.close()
+        if self._owns_group:
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def _cuda_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of common data-centre GPUs; None when unknown."""
+    name = torch.cuda.get_device_name(device)
+    for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("A10", 125e12)):
+        if key in name:
+            return flops
+    return None

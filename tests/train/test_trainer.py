@@ -1,0 +1,122 @@
+"""The trainer on gloo ranks: equals a single process, resumes exactly, runs under torchrun."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hpservice.spec import parse_job
+from hpservice.train import Trainer, TrainingError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spec(tmp, **sections):
+    data = {
+        "name": "t",
+        "model": {"name": "llama", "flavor": "tiny"},
+        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
+        "training": {"steps": 4, "max_grad_norm": 1.0},
+        "optimizer": {"lr": 3.0e-3, "weight_decay": 0.01},
+        "lr_scheduler": {"warmup_steps": 2},
+        "metrics": {"dir": str(tmp)},
+        "checkpoint": {"dir": str(Path(tmp) / "ckpt")},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_job(data)
+
+
+def _run(spec):
+    return Trainer(spec, log_to_stdout=False).train()
+
+
+def test_two_ranks_equal_one_process(ranks, tmp_path):
+    spec = _spec(tmp_path, training={"steps": 4, "grad_accum": 2})
+    two = ranks(2).run(_run, spec)[0]
+    one = ranks(1).run(
+        _run, spec.model_copy(update={"metrics": spec.metrics.model_copy(update={"dir": str(tmp_path / "one")})})
+    )[0]
+    for a, b in zip(two, one, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-5)  # the global norm, not a per-rank one
+        assert a["lr"] == b["lr"]
+    lines = (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+
+
+def test_hsdp_and_loss_falls(ranks, tmp_path):
+    spec = _spec(tmp_path, training={"steps": 40}, parallelism={"dp_replicate": 2})
+    history = ranks(4).run(_run, spec)[0]
+    assert history[-1]["loss"] < 0.75 * history[0]["loss"], [round(r["loss"], 3) for r in history]
+    assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in history)
+
+
+def test_resume_mid_run_continues_identically(ranks, tmp_path):
+    spec = _spec(tmp_path, training={"steps": 6}, checkpoint={"interval": 3})
+    full = ranks(2).run(_run, spec)[0]
+    step3 = tmp_path / "ckpt" / "step-00000003"
+    assert step3.is_dir()
+    resumed_spec = _spec(tmp_path / "again", training={"steps": 6}, checkpoint={"resume_from": str(step3)})
+    resumed = ranks(2).run(_run, resumed_spec)[0]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]  # bitwise
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full[3:]]
+
+
+class NaNAfter(nn.Module):
+    """A model whose logits turn NaN at its third forward: exercises the non-finite guard."""
+
+    def __init__(self, vocab: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, vocab)])
+        self.calls = 0
+
+    def init_weights(self):
+        nn.init.normal_(self.emb.weight)
+        nn.init.normal_(self.layers[0].weight)
+        nn.init.zeros_(self.layers[0].bias)
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.layers[0](self.emb(x))
+        return out * float("nan") if self.calls == 3 else out
+
+
+def nan_model():
+    return NaNAfter()
+
+
+def _run_expecting_error(spec):
+    with pytest.raises(TrainingError, match=r"non-finite loss \(nan\) at step 3"):
+        Trainer(spec, log_to_stdout=False).train()
+    return True
+
+
+def test_nonfinite_loss_fails_naming_the_step_or_skips(ranks, tmp_path):
+    model = {"name": "tests.train.test_trainer:nan_model", "flavor": None}
+    spec = _spec(tmp_path, model=model, data={"vocab_size": 16}, training={"steps": 4})
+    ranks(2).run(_run_expecting_error, spec)
+    skip = _spec(tmp_path / "skip", model=model, data={"vocab_size": 16}, training={"steps": 4, "skip_nonfinite": True})
+    history = ranks(2).run(_run, skip)[0]
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    assert torch.isnan(torch.tensor(history[2]["loss"])) and not torch.isnan(torch.tensor(history[3]["loss"]))
+
+
+def test_torchrun_runs_the_example_end_to_end(tmp_path):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "hpservice.train", str(ROOT / "examples" / "tiny-cpu.yaml"),
+        "--set", "training.steps=4", "--set", "checkpoint.interval=2",
+        "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"metrics.dir={tmp_path}", "--set", "metrics.log_every=2",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[tiny-cpu] step     4/4" in out.stdout
+    assert len((tmp_path / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()) == 4
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
