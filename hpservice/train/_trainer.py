@@ -8,11 +8,13 @@ checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -118,9 +120,21 @@ def _global_mean(value: torch.Tensor) -> float:
 class Trainer:
     """One training job on the ranks of the current torch.distributed world."""
 
-    def __init__(self, spec: JobSpec, *, on_metrics: MetricsCallback | None = None, log_to_stdout: bool = True):
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        on_metrics: MetricsCallback | None = None,
+        on_checkpoint: MetricsCallback | None = None,
+        log_fn: Callable[[str], None] | None = None,
+        log_to_stdout: bool = True,
+    ):
+        """``on_metrics(record)`` and ``on_checkpoint(info)`` run on rank 0 after each step / commit;
+        ``log_fn(line)`` receives progress lines (default: print, unless ``log_to_stdout`` is False)."""
         self.spec = spec
         self.on_metrics = on_metrics
+        self.on_checkpoint = on_checkpoint
+        self._stop = threading.Event()
         self.device = pick_device(spec)
         self._owns_group = init_distributed(self.device.type)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -164,7 +178,8 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         self._tb = self._tensorboard() if spec.metrics.tensorboard and self.rank == 0 else None
-        self._log_to_stdout = log_to_stdout
+        self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
+        self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _resume(self, resume_from: str) -> None:
@@ -193,18 +208,40 @@ class Trainer:
             "dtensor_rng": dtensor_random.get_rng_state(),
             "data": {"seed": self.spec.data.seed, "step": self.step},
         }
+        self._report_committed()  # save() waits for the previous async save: it is committed now
         self.checkpoints.save(self.step, self.model, self.optimizer, extra, metrics=metrics)
+        self._uncommitted.append({"step": self.step, "metrics": metrics or {}})
+        if not self.spec.checkpoint.async_:
+            self._report_committed()
+
+    def _report_committed(self) -> None:
+        if self.rank == 0 and self.on_checkpoint is not None:
+            for info in self._uncommitted:
+                path = Path(self.spec.checkpoint.dir) / f"step-{info['step']:08d}"
+                self.on_checkpoint({**info, "path": str(path)})
+        self._uncommitted.clear()
+
+    def request_stop(self) -> None:
+        """Finish the current step, checkpoint (if checkpoints are configured), and return from train()."""
+        self._stop.set()
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> list[dict]:
         history = []
         interval = self.spec.checkpoint.interval
+        saved_at = None
         try:
-            while self.step < self.spec.training.steps:
+            while self.step < self.spec.training.steps and not self._stop.is_set():
                 record = self.train_step()
                 history.append(record)
                 if interval and (self.step % interval == 0 or self.step == self.spec.training.steps):
                     self.save_checkpoint({"loss": record["loss"]})
+                    saved_at = self.step
+            if self._stop.is_set() and self.checkpoints is not None and history and saved_at != self.step:
+                self.save_checkpoint({"loss": history[-1]["loss"]})
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+                self._report_committed()
         finally:
             self.close()
         return history
@@ -275,12 +312,11 @@ class Trainer:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
                 self._tb.add_scalar(key, record[key], record["step"])
         every = self.spec.metrics.log_every
-        if self._log_to_stdout and (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
-            print(
+        if self._log is not None and (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
+            self._log(
                 f"[{self.spec.name}] step {record['step']:>5}/{self.spec.training.steps}  loss {record['loss']:.4f}  "
                 f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step",
-                flush=True,
+                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step"
             )
 
     def _tensorboard(self):
