@@ -1,1 +1,75 @@
-"""Ray actors of a job (Coordinator, TrainWorker): built in the Ray actor-groups issue."""
+"""Ray actor groups for jobs: a Coordinator per job, a TrainWorker per GPU (or CPU slot).
+
+Client side::
+
+    handle = start_job(spec)             # detached, named hp:<job>:coordinator
+    handle.poll(since_step=0)            # metrics records + status
+    handle.wait()                        # terminal state
+    handle.stop(graceful=True)
+    handle.shutdown()                    # ends the coordinator once its final status was read
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+import ray
+
+from .coordinator import TERMINAL, Coordinator, coordinator_name, worker_name
+
+NAMESPACE = "hpservice"
+
+__all__ = ["NAMESPACE", "TERMINAL", "JobHandle", "coordinator_name", "start_job", "worker_name"]
+
+
+class JobHandle:
+    """A client's handle on one job's coordinator."""
+
+    def __init__(self, job_id: str, coordinator):
+        self.job_id = job_id
+        self.coordinator = coordinator
+
+    @classmethod
+    def attach(cls, job_id: str) -> JobHandle:
+        return cls(job_id, ray.get_actor(coordinator_name(job_id), namespace=NAMESPACE))
+
+    def status(self) -> dict:
+        return ray.get(self.coordinator.status.remote())
+
+    def poll(self, since_step: int = 0) -> dict:
+        return ray.get(self.coordinator.poll.remote(since_step))
+
+    def logs(self, rank: int | None = None, tail: int | None = None, since: int = 0) -> list[dict]:
+        return ray.get(self.coordinator.logs.remote(rank, tail, since))
+
+    def checkpoints(self) -> list[dict]:
+        return ray.get(self.coordinator.checkpoints.remote())
+
+    def stop(self, graceful: bool = True, deadline_s: float = 60.0) -> None:
+        ray.get(self.coordinator.stop.remote(graceful, deadline_s))
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status["state"] in TERMINAL:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job_id} still {status['state']} after {timeout:.0f} s")
+            time.sleep(poll_s)
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # exit_actor ends the call with the actor
+            ray.get(self.coordinator.shutdown.remote())
+
+
+def start_job(spec, job_id: str | None = None) -> JobHandle:
+    """Start ``spec`` (a JobSpec) on the connected Ray cluster; returns at once."""
+    job_id = job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    coordinator = Coordinator.options(name=coordinator_name(job_id), namespace=NAMESPACE, lifetime="detached").remote(
+        job_id, spec.model_dump_json(by_alias=True)
+    )
+    coordinator.run.remote()
+    return JobHandle(job_id, coordinator)

@@ -1,0 +1,306 @@
+"""Coordinator: the Ray actor that owns one job.
+
+It reserves a placement group (one bundle per worker, PACK so shard groups stay in a node),
+starts one TrainWorker per bundle with ranks in bundle order (consecutive ranks share a node, so
+the innermost mesh dim, dp_shard, is node-local and dp_replicate spans nodes), gives them rank 0's
+address for the rendezvous, and then supervises:
+
+- every ``POLL_S`` it polls the workers; a dead worker (process lost, node lost) or a raised
+  exception tears the group down and restarts it from the latest committed checkpoint, up to
+  ``failure.max_restarts`` times with back-off;
+- a watchdog: no rank makes progress for ``failure.step_timeout_s`` -> the stacks of every rank
+  go to the log, then restart or fail;
+- ``stop()`` asks the workers to finish their step and checkpoint, kills them after a deadline.
+
+Metrics reach it from rank 0 (``report``) into a bounded buffer that clients read with
+``poll(since_step)``; they are also exported with ``ray.util.metrics`` for the dashboard and
+Prometheus. Log lines of every rank are kept per rank. Every end state removes the workers and
+the placement group; ``shutdown()`` ends the coordinator itself.
+
+It runs as a threaded actor: ``run()`` holds one thread for the supervision loop while the other
+methods answer clients.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .worker import TrainWorker
+
+METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted
+LOG_LINES_PER_RANK = 10_000
+POLL_S = 0.5
+STATES = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "CANCELLING", "SUCCEEDED", "FAILED", "CANCELLED")
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def coordinator_name(job_id: str) -> str:
+    return f"hp:{job_id}:coordinator"
+
+
+def worker_name(job_id: str, rank: int) -> str:
+    return f"hp:{job_id}:rank{rank}"
+
+
+class _Failure(Exception):
+    """A worker group failure that may be retried from the latest checkpoint."""
+
+
+def cluster_fit(workers: int, cpus: float, gpus: int) -> str | None:
+    """None if the job can ever fit this cluster, else why not (what it needs, what there is)."""
+    per_node = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    slots = sum(
+        int(min(r.get("CPU", 0) // cpus if cpus else 1e9, r.get("GPU", 0) // gpus if gpus else 1e9)) for r in per_node
+    )
+    if slots >= workers:
+        return None
+    total_cpu = sum(r.get("CPU", 0) for r in per_node)
+    total_gpu = sum(r.get("GPU", 0) for r in per_node)
+    need = f"{workers} workers x ({cpus:g} CPU" + (f", {gpus} GPU" if gpus else "") + ")"
+    return f"job needs {need}; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(per_node)} node(s), room for {slots} such workers"
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class Coordinator:
+    def __init__(self, job_id: str, spec_json: str):
+        from hpservice.spec import JobSpec
+
+        self.job_id = job_id
+        self.spec_json = spec_json
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self._lock = threading.Lock()
+        self._history: list[dict] = []
+        self._set_state("QUEUED", "waiting to start")
+        self._metrics: deque[dict] = deque(maxlen=METRICS_BUFFER)
+        self._dropped = 0
+        self._logs: dict[int, deque] = {}
+        self._log_offset: dict[int, int] = {}
+        self._checkpoints: list[dict] = []
+        self._restarts: list[dict] = []
+        self._stop_requested = False
+        self._stop_deadline_s = 60.0
+        self._workers: list = []
+        self._pg = None
+        self._step = 0
+        self._gauges = self._make_gauges()
+
+    # ---- state ------------------------------------------------------------------------------
+    def _set_state(self, state: str, message: str = "") -> None:
+        assert state in STATES
+        with self._lock:
+            self.state = state
+            self._history.append({"state": state, "time": time.time(), "message": message})
+
+    def status(self) -> dict:
+        with self._lock:
+            return {
+                "job_id": self.job_id,
+                "name": self.spec.name,
+                "state": self.state,
+                "message": self._history[-1]["message"],
+                "history": list(self._history),
+                "step": self._step,
+                "total_steps": self.spec.training.steps,
+                "restarts": len(self._restarts),
+                "restart_reasons": [r["reason"] for r in self._restarts],
+                "checkpoints": list(self._checkpoints),
+                "metrics_dropped": self._dropped,
+            }
+
+    # ---- reports from workers --------------------------------------------------------------
+    def report(self, record: dict) -> None:
+        with self._lock:
+            if len(self._metrics) == self._metrics.maxlen:
+                self._dropped += 1
+            self._metrics.append(record)
+            self._step = record["step"]
+        tags = {"job": self.job_id, "rank": "0"}
+        for key, gauge in self._gauges.items():
+            if key in record and record[key] is not None:
+                gauge.set(float(record[key]), tags=tags)
+
+    def poll(self, since_step: int = 0) -> dict:
+        """Metrics records with step > since_step (every one still buffered), plus the status."""
+        with self._lock:
+            records = [r for r in self._metrics if r["step"] > since_step]
+        return {"records": records, "status": self.status()}
+
+    def add_log(self, rank: int, step: int, line: str) -> None:
+        with self._lock:
+            buf = self._logs.setdefault(rank, deque(maxlen=LOG_LINES_PER_RANK))
+            offset = self._log_offset.get(rank, 0)
+            buf.append({"offset": offset, "rank": rank, "step": step, "time": time.time(), "line": line})
+            self._log_offset[rank] = offset + 1
+
+    def logs(self, rank: int | None = None, tail: int | None = None, since: int = 0) -> list[dict]:
+        """Log lines of one rank (or all), from offset ``since``, the last ``tail`` of them."""
+        with self._lock:
+            ranks = [rank] if rank is not None else sorted(self._logs)
+            lines = [entry for r in ranks for entry in self._logs.get(r, ()) if entry["offset"] >= since]
+        lines.sort(key=lambda e: e["time"])
+        return lines[-tail:] if tail else lines
+
+    def record_checkpoint(self, info: dict) -> None:
+        with self._lock:
+            self._checkpoints = [c for c in self._checkpoints if c["step"] != info["step"]] + [
+                {**info, "time": time.time()}
+            ]
+
+    def checkpoints(self) -> list[dict]:
+        with self._lock:
+            return list(self._checkpoints)
+
+    # ---- control ----------------------------------------------------------------------------
+    def stop(self, graceful: bool = True, deadline_s: float = 60.0) -> None:
+        """Cancel: graceful asks the workers to finish the step and checkpoint first."""
+        with self._lock:
+            self._stop_requested = True
+            self._stop_deadline_s = deadline_s if graceful else 0.0
+
+    def shutdown(self) -> None:
+        """End the coordinator (after a terminal state has been read)."""
+        self._teardown()
+        ray.actor.exit_actor()
+
+    # ---- supervision --------------------------------------------------------------------------
+    def run(self) -> str:
+        """Run the job to a terminal state; returns it."""
+        spec = self.spec
+        r = spec.resources
+        use_gpu = r.use_gpu if r.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) >= r.workers
+        gpus = 1 if use_gpu else 0
+        why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
+        if why is not None:
+            self._set_state("FAILED", why)
+            return self.state
+        bundle = {"CPU": r.cpus_per_worker, **({"GPU": 1} if gpus else {})}
+        self._pg = placement_group([dict(bundle) for _ in range(r.workers)], strategy="PACK", name=f"hp:{self.job_id}")
+        while not self._wait_ready(self._pg):
+            if self._stop_requested:
+                self._teardown()
+                self._set_state("CANCELLED", "cancelled while queued")
+                return self.state
+            if self.state != "QUEUED" or self._history[-1]["message"] == "waiting to start":
+                self._set_state("QUEUED", f"waiting for resources: {r.workers} x {bundle}")
+        attempt = 0
+        while True:
+            self._set_state("STARTING" if attempt == 0 else "RESTARTING", f"attempt {attempt + 1}")
+            try:
+                outcome = self._run_attempt(resume=attempt > 0, gpus=gpus)
+                self._teardown()
+                self._set_state(*outcome)
+                return self.state
+            except _Failure as e:
+                self._kill_workers()
+                if self._stop_requested:
+                    self._teardown()
+                    self._set_state("CANCELLED", f"cancelled ({e})")
+                    return self.state
+                if len(self._restarts) >= spec.failure.max_restarts:
+                    self._teardown()
+                    self._set_state("FAILED", str(e))
+                    return self.state
+                self._restarts.append({"time": time.time(), "reason": str(e)})
+                self._gauges["restarts"].set(len(self._restarts), tags={"job": self.job_id, "rank": "0"})
+                self._set_state("RESTARTING", f"restart {len(self._restarts)}/{spec.failure.max_restarts}: {e}")
+                time.sleep(min(30.0, 1.0 * 2 ** (len(self._restarts) - 1)))  # back-off
+                attempt += 1
+
+    def _wait_ready(self, pg) -> bool:
+        ready, _ = ray.wait([pg.ready()], timeout=POLL_S * 4)
+        return bool(ready)
+
+    def _run_attempt(self, resume: bool, gpus: int) -> tuple[str, str]:
+        spec = self.spec
+        n = spec.resources.workers
+        self._workers = [
+            TrainWorker.options(
+                name=worker_name(self.job_id, i),
+                num_cpus=spec.resources.cpus_per_worker,
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+            ).remote(self.job_id, i, n, coordinator_name(self.job_id))
+            for i in range(n)
+        ]
+        try:
+            addresses = ray.get([w.address.remote() for w in self._workers], timeout=300)
+            master_addr, master_port, _ = addresses[0]
+            ray.get(
+                [w.start.remote(self.spec_json, master_addr, master_port, resume) for w in self._workers], timeout=300
+            )
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            raise _Failure(f"workers failed to start: {type(e).__name__}: {e}") from None
+        self._set_state("RUNNING", f"{n} workers, rendezvous {master_addr}:{master_port}")
+        stop_sent_at = None
+        while True:
+            time.sleep(POLL_S)
+            try:
+                polls = ray.get([w.poll.remote() for w in self._workers], timeout=60)
+            except ray.exceptions.RayActorError as e:
+                raise _Failure(f"a worker died: {_short(e)}") from None
+            except ray.exceptions.GetTimeoutError:
+                raise _Failure("workers stopped answering for 60 s") from None
+            errors = [p for p in polls if p["error"]]
+            if errors:
+                last = errors[0]["error"].strip().splitlines()[-1]
+                raise _Failure(f"rank {errors[0]['rank']} raised: {last}")
+            if all(p["done"] for p in polls):
+                if self._stop_requested:
+                    return ("CANCELLED", f"stopped gracefully at step {max(p['step'] for p in polls)}")
+                return ("SUCCEEDED", f"finished {spec.training.steps} steps")
+            if self._stop_requested:
+                if stop_sent_at is None:
+                    self._set_state("CANCELLING", "finishing the current step and checkpointing")
+                    ray.get([w.request_stop.remote() for w in self._workers])
+                    stop_sent_at = time.time()
+                elif time.time() - stop_sent_at > self._stop_deadline_s:
+                    self._kill_workers()
+                    return ("CANCELLED", f"killed after the {self._stop_deadline_s:g} s stop deadline")
+                continue
+            stalled = time.time() - min(p["last_progress"] for p in polls)
+            if stalled > spec.failure.step_timeout_s:
+                self._dump_stacks()
+                step = min(p["step"] for p in polls)
+                raise _Failure(f"hang: no progress for {stalled:.0f} s after step {step} (stacks in the log)")
+
+    def _dump_stacks(self) -> None:
+        for rank, w in enumerate(self._workers):
+            try:
+                text = ray.get(w.stacks.remote(), timeout=10)
+            except Exception as e:  # a dead rank has no stacks to give
+                text = f"(no stacks: {type(e).__name__})"
+            self.add_log(rank, self._step, f"watchdog: stacks of rank {rank}\n{text}")
+
+    def _kill_workers(self) -> None:
+        for w in self._workers:
+            ray.kill(w, no_restart=True)
+        self._workers = []
+
+    def _teardown(self) -> None:
+        self._kill_workers()
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+    def _make_gauges(self) -> dict:
+        from ray.util.metrics import Gauge
+
+        keys = {
+            "loss": "training loss",
+            "tokens_per_s": "tokens per second",
+            "step_time_s": "seconds per step",
+            "step": "last completed step",
+            "restarts": "restarts of the worker group",
+        }
+        return {k: Gauge(f"hpservice_{k}", description=d, tag_keys=("job", "rank")) for k, d in keys.items()}
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__

@@ -1,0 +1,115 @@
+"""TrainWorker: one Ray actor per GPU (or CPU slot) running the trainer of one rank.
+
+The trainer runs in a thread of the actor, so the actor's own methods (``poll``, ``stacks``,
+``request_stop``) answer while the trainer computes or is stuck in a collective; that is what
+lets the coordinator watch progress, dump stacks of a hung rank and stop gracefully.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote
+class TrainWorker:
+    def __init__(self, job_id: str, rank: int, world_size: int, coordinator_name: str):
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self._coordinator = ray.get_actor(coordinator_name, namespace="hpservice")
+        self._thread: threading.Thread | None = None
+        self._trainer = None
+        self._error: str | None = None
+        self._done = False
+        self._step = 0
+        self._last_progress = time.time()
+        self._stop = threading.Event()
+
+    # ---- placement and rendezvous -----------------------------------------------------------
+    def address(self) -> tuple[str, int, int]:
+        """(node IP, a free port on it, this process's PID): rank 0's is the rendezvous address."""
+        return ray.util.get_node_ip_address(), _free_port(), os.getpid()
+
+    def start(self, spec_json: str, master_addr: str, master_port: int, resume: bool) -> None:
+        from hpservice.spec import JobSpec
+
+        spec = JobSpec.model_validate_json(spec_json)
+        if resume:
+            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
+        gpu_ids = ray.get_gpu_ids()
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",  # Ray shows each worker only its own GPU
+            LOCAL_WORLD_SIZE="1",
+        )
+        if gpu_ids:
+            spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"use_gpu": True})})
+        self._thread = threading.Thread(target=self._run, args=(spec,), name=f"trainer-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self, spec) -> None:
+        from hpservice.train import Trainer
+
+        try:
+            self._trainer = Trainer(
+                spec,
+                on_metrics=self._on_metrics,
+                on_checkpoint=lambda info: self._coordinator.record_checkpoint.remote(info),
+                log_fn=self._log,
+            )
+            if self._stop.is_set():
+                self._trainer.request_stop()
+            self._trainer.train()
+        except BaseException:
+            self._error = traceback.format_exc()
+            self._log(self._error)
+        finally:
+            self._done = True
+
+    def _on_metrics(self, record: dict) -> None:
+        self._coordinator.report.remote(record)
+
+    def _log(self, line: str) -> None:
+        print(f"[rank {self.rank}] {line}", flush=True)
+        step = self._trainer.step if self._trainer is not None else 0
+        self._coordinator.add_log.remote(self.rank, step, line)
+
+    # ---- observed by the coordinator ---------------------------------------------------------
+    def poll(self) -> dict:
+        step = self._trainer.step if self._trainer is not None else 0
+        if step != self._step:
+            self._step, self._last_progress = step, time.time()
+        return {
+            "rank": self.rank,
+            "step": step,
+            "done": self._done,
+            "error": self._error,
+            "last_progress": self._last_progress,
+        }
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        if self._trainer is not None:
+            self._trainer.request_stop()
+
+    def stacks(self) -> str:
+        """Python stacks of every thread of this worker (for hang reports)."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = []
+        for ident, frame in sys._current_frames().items():
+            parts.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(parts)

@@ -1,0 +1,169 @@
+"""Jobs on a real local Ray cluster: success, worker loss, hangs, infeasible jobs, cancel, metrics."""
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch.nn as nn
+from ray.util.state import list_actors, list_placement_groups
+
+from actors import NAMESPACE, JobHandle, start_job, worker_name
+from hpservice.launch import free_port
+from hpservice.spec import parse_job
+from hpservice.train import Trainer
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(
+        num_cpus=4,
+        namespace=NAMESPACE,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=free_port(),
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def _spec(tmp, name, **sections):
+    data = {
+        "name": name,
+        "model": {"name": "llama", "flavor": "tiny"},
+        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
+        "training": {"steps": 6},
+        "optimizer": {"lr": 3.0e-3},
+        "resources": {"workers": 2, "use_gpu": False},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "metrics": {"dir": str(tmp / "metrics")},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_job(data)
+
+
+def _torchrun_equivalent(spec):
+    return [r["loss"] for r in Trainer(spec, log_to_stdout=False).train()]
+
+
+def _leftovers(job_id):
+    actors = [
+        a.name for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.name and a.name.startswith(f"hp:{job_id}:")
+    ]
+    groups = [g.name for g in list_placement_groups() if g.name == f"hp:{job_id}" and g.state != "REMOVED"]
+    return actors, groups
+
+
+def _finish(handle):
+    handle.shutdown()
+    deadline = time.time() + 30
+    while any(_leftovers(handle.job_id)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _leftovers(handle.job_id) == ([], [])
+
+
+def test_hsdp_job_succeeds_with_torchrun_losses_and_keeps_every_metric(cluster, ranks, tmp_path):
+    spec = _spec(tmp_path, "hsdp", parallelism={"dp_replicate": 2}, checkpoint={"interval": 3})
+    handle = start_job(spec)
+    status = handle.wait(timeout=300)
+    assert status["state"] == "SUCCEEDED", status
+    assert [h["state"] for h in status["history"]][:1] == ["QUEUED"] and "RUNNING" in [
+        h["state"] for h in status["history"]
+    ]
+    # Nobody polled while it ran: every step's record is still there.
+    records = handle.poll(since_step=0)["records"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in handle.poll(since_step=4)["records"]] == [5, 6]
+    expected = ranks(2).run(_torchrun_equivalent, _spec(tmp_path / "ref", "hsdp", parallelism={"dp_replicate": 2}))[0]
+    assert [r["loss"] for r in records] == expected
+    assert [c["step"] for c in handle.checkpoints()] == [3, 6]
+    assert any("step     6/6" in line["line"] for line in handle.logs(rank=0))
+    _finish(handle)
+
+
+def test_killed_worker_restarts_from_checkpoint(cluster, ranks, tmp_path):
+    spec = _spec(tmp_path, "kill", training={"steps": 24}, checkpoint={"interval": 4}, failure={"max_restarts": 2})
+    handle = start_job(spec)
+    while handle.status()["step"] < 6:
+        assert handle.status()["state"] not in ("FAILED", "SUCCEEDED")
+        time.sleep(0.2)
+    worker = ray.get_actor(worker_name(handle.job_id, 1), namespace=NAMESPACE)
+    pid = ray.get(worker.address.remote())[2]
+    os.kill(pid, signal.SIGKILL)
+    status = handle.wait(timeout=300)
+    assert status["state"] == "SUCCEEDED", status
+    assert status["restarts"] == 1 and "a worker died" in status["restart_reasons"][0]
+    expected = ranks(2).run(_torchrun_equivalent, _spec(tmp_path / "ref", "kill", training={"steps": 24}))[0]
+    assert handle.poll(since_step=23)["records"][-1]["loss"] == expected[-1]
+    _finish(handle)
+
+
+class HangOnRank1(nn.Module):
+    """Rank 1 blocks at its third forward: rank 0 then waits in a collective forever."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 16)])
+        self.calls = 0
+
+    def init_weights(self):
+        nn.init.normal_(self.emb.weight)
+        nn.init.normal_(self.layers[0].weight)
+        nn.init.zeros_(self.layers[0].bias)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3 and os.environ.get("RANK") == "1":
+            time.sleep(3600)
+        return self.layers[0](self.emb(x))
+
+
+def hang_model():
+    return HangOnRank1()
+
+
+def test_hang_is_detected_within_the_timeout(cluster, tmp_path):
+    model = {"name": "tests.actors.test_ray_jobs:hang_model", "flavor": None}
+    spec = _spec(
+        tmp_path, "hang", model=model, data={"vocab_size": 16}, training={"steps": 50}, failure={"step_timeout_s": 4}
+    )
+    handle = start_job(spec)
+    while handle.status()["step"] < 2:
+        time.sleep(0.2)
+    hung_at = time.time()
+    status = handle.wait(timeout=120)
+    assert status["state"] == "FAILED" and "hang: no progress" in status["message"], status
+    assert time.time() - hung_at < 4 + 15
+    stacks = [line["line"] for line in handle.logs(rank=1) if "watchdog" in line["line"]]
+    assert stacks and "time.sleep(3600)" in stacks[0]
+    _finish(handle)
+
+
+def test_infeasible_job_fails_fast_with_its_reason(cluster, tmp_path):
+    spec = _spec(tmp_path, "big", resources={"workers": 64, "cpus_per_worker": 2})
+    start = time.time()
+    handle = start_job(spec)
+    status = handle.wait(timeout=60)
+    assert status["state"] == "FAILED" and time.time() - start < 30
+    assert "needs 64 workers x (2 CPU)" in status["message"] and "the cluster has 4 CPU" in status["message"]
+    _finish(handle)
+
+
+def test_cancel_is_graceful_and_leaves_nothing(cluster, tmp_path):
+    spec = _spec(tmp_path, "cancel", training={"steps": 10000}, checkpoint={"interval": 1000})
+    handle = start_job(spec)
+    while handle.status()["step"] < 3:
+        time.sleep(0.2)
+    handle.stop(graceful=True, deadline_s=60)
+    status = handle.wait(timeout=120)
+    assert status["state"] == "CANCELLED" and "stopped gracefully" in status["message"], status
+    assert "CANCELLING" in [h["state"] for h in status["history"]]
+    saved = handle.checkpoints()
+    assert saved and saved[-1]["step"] >= 3  # the stop checkpointed the step it finished
+    _finish(handle)
+    with pytest.raises(ValueError):
+        JobHandle.attach(handle.job_id)
