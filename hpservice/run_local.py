@@ -1,0 +1,100 @@
+"""``hpservice run job.yaml``: one job on an embedded local Ray (or a given cluster), with a live
+progress bar; Ctrl-C cancels gracefully (a second Ctrl-C stops at once)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
+
+
+def connect_ray(address: str | None, cpus_needed: float) -> None:
+    """Join ``address`` (or RAY_ADDRESS), or start a local Ray with its dashboard on loopback."""
+    import ray
+
+    from actors import NAMESPACE
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        return
+    # A laptop job may ask for more CPU slots than cores: workers then share them.
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+        namespace=NAMESPACE,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        log_to_driver=False,
+    )
+
+
+def run_job(spec, *, address: str | None = None, console: Console | None = None) -> int:
+    """Run ``spec`` to a terminal state, rendering progress; returns the process exit code."""
+    import ray
+
+    from actors import TERMINAL, start_job
+
+    console = console or Console()
+    connect_ray(address, spec.resources.workers * spec.resources.cpus_per_worker)
+    handle = start_job(spec)
+    console.print(f"job [bold]{handle.job_id}[/]: {spec.resources.workers} workers, {spec.training.steps} steps")
+    last_step, last, interrupts = 0, None, 0
+    columns = [
+        TextColumn("[bold]{task.fields[state]:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  restarts {task.fields[restarts]}"),
+        TimeRemainingColumn(),
+    ]
+    try:
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("train", total=spec.training.steps, state="QUEUED", loss="-", tps="-", restarts=0)
+            while True:
+                try:
+                    update = handle.poll(since_step=last_step)
+                    status = update["status"]
+                    if update["records"]:
+                        last = update["records"][-1]
+                        last_step = last["step"]
+                    progress.update(
+                        task,
+                        completed=status["step"],
+                        state=status["state"],
+                        loss=f"{last['loss']:.4f}" if last else "-",
+                        tps=f"{last['tokens_per_s']:,.0f}" if last else "-",
+                        restarts=status["restarts"],
+                    )
+                    if status["state"] in TERMINAL:
+                        break
+                    time.sleep(0.5)
+                except KeyboardInterrupt:
+                    interrupts += 1
+                    graceful = interrupts == 1
+                    console.print(
+                        "cancelling: finishing the step and checkpointing (Ctrl-C again to stop now)"
+                        if graceful
+                        else "stopping now"
+                    )
+                    handle.stop(graceful=graceful, deadline_s=60 if graceful else 0)
+        _summary(console, status, last)
+        return EXIT_CODES[status["state"]]
+    finally:
+        handle.shutdown()
+        ray.shutdown()
+
+
+def _summary(console: Console, status: dict, last: dict | None) -> None:
+    style = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}[status["state"]]
+    console.print(f"[{style}]{status['state']}[/]: {status['message']}")
+    if last:
+        console.print(
+            f"  step {last['step']}/{status['total_steps']}, final loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tok/s"
+        )
+    if status["restarts"]:
+        console.print(f"  restarts: {status['restarts']} ({'; '.join(status['restart_reasons'])})")
+    if status["checkpoints"]:
+        console.print(f"  latest checkpoint: {status['checkpoints'][-1]['path']}")
