@@ -21,7 +21,21 @@ from .coordinator import TERMINAL, Coordinator, coordinator_name, worker_name
 
 NAMESPACE = "hpservice"
 
-__all__ = ["NAMESPACE", "TERMINAL", "JobHandle", "coordinator_name", "start_job", "worker_name"]
+__all__ = ["NAMESPACE", "TERMINAL", "JobHandle", "coordinator_name", "init_local_ray", "start_job", "worker_name"]
+
+
+def init_local_ray(*, num_cpus: int | None = None, dashboard: bool = True, **kwargs):
+    """Start an embedded Ray bound to loopback only: node address and dashboard on 127.0.0.1, so
+    no Ray traffic leaves the machine."""
+    return ray.init(
+        num_cpus=num_cpus,
+        namespace=NAMESPACE,
+        include_dashboard=dashboard,
+        dashboard_host="127.0.0.1",
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        **kwargs,
+    )
 
 
 class JobHandle:

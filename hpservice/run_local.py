@@ -16,20 +16,14 @@ def connect_ray(address: str | None, cpus_needed: float) -> None:
     """Join ``address`` (or RAY_ADDRESS), or start a local Ray with its dashboard on loopback."""
     import ray
 
-    from actors import NAMESPACE
+    from actors import NAMESPACE, init_local_ray
 
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return
     # A laptop job may ask for more CPU slots than cores: workers then share them.
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
-        namespace=NAMESPACE,
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        log_to_driver=False,
-    )
+    init_local_ray(num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)))
 
 
 def run_job(spec, *, address: str | None = None, console: Console | None = None) -> int:

@@ -9,7 +9,7 @@ import ray
 import torch.nn as nn
 from ray.util.state import list_actors, list_placement_groups
 
-from actors import NAMESPACE, JobHandle, start_job, worker_name
+from actors import NAMESPACE, JobHandle, init_local_ray, start_job, worker_name
 from hpservice.launch import free_port
 from hpservice.spec import parse_job
 from hpservice.train import Trainer
@@ -17,14 +17,7 @@ from hpservice.train import Trainer
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(
-        num_cpus=4,
-        namespace=NAMESPACE,
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=free_port(),
-        log_to_driver=False,
-    )
+    init_local_ray(num_cpus=4, dashboard_port=free_port())
     yield
     ray.shutdown()
 
