@@ -1,1 +1,71 @@
-"""FastAPI control plane: built in the control-plane issue."""
+"""FastAPI control plane: REST jobs API, SSE events, store, and the bridge to Ray.
+
+``create_app(settings)`` builds the app; ``hpservice serve`` runs it with uvicorn.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from hpservice.spec import JobSpec
+
+from . import errors
+from .routes import health, jobs
+from .settings import Settings
+from .store import Store
+from .supervisor import Supervisor, connect
+
+STATIC = Path(__file__).parent / "static"
+
+__all__ = ["Settings", "create_app"]
+
+
+def create_app(settings: Settings | None = None, *, connect_ray: bool = True, supervise: bool = True) -> FastAPI:
+    """The app. ``connect_ray=False, supervise=False`` gives the REST layer alone (tests)."""
+    settings = settings or Settings()
+    store = Store(settings.db_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if connect_ray:
+            url = connect(settings.ray_address)
+            if url and settings.dashboard_url is None:
+                settings.dashboard_url = url
+        if supervise:
+            supervisor.start()
+        yield
+        supervisor.stop()
+
+    app = FastAPI(title="hpservice", version="0.1.0", lifespan=lifespan)
+    supervisor = Supervisor(store, settings.poll_interval_s)
+    app.state.settings, app.state.store, app.state.supervisor = settings, store, supervisor
+    app.state.registry = health.make_registry(store)
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+
+    if (STATIC / "index.html").is_file():
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+        @app.get("/", include_in_schema=False)
+        def index():
+            return FileResponse(STATIC / "index.html")
+
+    original = app.openapi
+
+    def openapi():
+        schema = original()
+        # The submit route reads its body itself (JSON or YAML): publish the JobSpec schema for it.
+        defs = JobSpec.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs.pop("$defs", {}))
+        components["JobSpec"] = defs
+        return schema
+
+    app.openapi = openapi
+    return app

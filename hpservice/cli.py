@@ -1,19 +1,52 @@
-"""The ``hpservice`` command line."""
+"""The ``hpservice`` command line.
+
+Local commands: ``demo``, ``version``, ``run``, ``validate``, ``schema``, ``export``, ``serve``. Commands
+that talk to a running control plane (``hpservice serve``) over HTTP: ``submit``, ``list``,
+``status``, ``watch``, ``logs``, ``cancel``, ``checkpoints``, ``delete``; each takes ``--url``
+(default ``HPSERVICE_URL``, else ``http://127.0.0.1:8000``), ``--token`` (default
+``HPSERVICE_TOKEN``) and ``--json`` (machine-readable output).
+
+Exit codes of the service commands, for scripts::
+
+    0    success (watch and submit --watch: the job SUCCEEDED)
+    1    the job FAILED
+    2    usage or spec error (a bad job file or --url; a 4xx such as 409/422 from the server)
+    3    not found (404)
+    4    authentication or permission error (401/403)
+    5    server or connection error (5xx, timeout, unreachable URL)
+    130  the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
-# Subcommands of the product that later issues build; they say so instead of pretending.
-_NOT_BUILT = {
-    "submit": "submitting a job to the service (control-plane issue)",
-    "serve": "the REST control plane (control-plane issue)",
-}
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_AUTH, EXIT_SERVER, EXIT_CANCELLED = 0, 1, 2, 3, 4, 5, 130
+_STATE_EXIT = {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_FAILED, "CANCELLED": EXIT_CANCELLED}
+_POLL_INTERVAL_S = 1.0  # watch / logs -f polling when the event stream is unavailable
+
+_EXIT_CODES_HELP = """\
+exit codes (service commands):
+  0    success (watch, submit --watch: the job SUCCEEDED)
+  1    the job FAILED
+  2    usage or spec error (bad job file or --url; a 4xx such as 409/422 from the server)
+  3    not found (404)
+  4    authentication or permission error (401/403)
+  5    server or connection error (5xx, timeout, unreachable URL)
+  130  the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hpservice", description="Distributed training service.")
+    parser = argparse.ArgumentParser(
+        prog="hpservice",
+        description="Distributed training service.",
+        epilog=_EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the DTensor core demo on local gloo ranks")
     demo.add_argument("--ranks", type=int, default=4, help="number of local ranks (even, >= 2)")
@@ -29,11 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="write a sharded checkpoint's full model weights to a .safetensors file")
     export.add_argument("checkpoint", help="a committed checkpoint directory (step-N)")
     export.add_argument("out", help="output .safetensors path")
-    for name, what in _NOT_BUILT.items():
-        p = sub.add_parser(name, help=f"not built yet: {what}")
-        p.add_argument("args", nargs="*")
+    serve = sub.add_parser("serve", help="run the REST control plane (FastAPI) with a local Ray or --ray-address")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs API tokens)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--data-dir", default=None, help="store directory (default HPSERVICE_DATA_DIR or ~/.hpservice)")
+    serve.add_argument(
+        "--ray-address", default=None, help="Ray cluster (default RAY_ADDRESS, else an embedded local Ray)"
+    )
+    serve.add_argument("--tokens-file", default=None, help="YAML {TOKEN: {owner, admin}}; also HPSERVICE_TOKENS")
+    _add_service_commands(sub)
     args = parser.parse_args(argv)
 
+    if args.command in _SERVICE_COMMANDS:
+        return _run_service_command(args)
+
+    if args.command == "serve":
+        from hpservice.serve import serve as run_server
+
+        return run_server(args.host, args.port, args.data_dir, args.ray_address, args.tokens_file)
     if args.command == "version":
         from hpservice import __version__
 
@@ -83,8 +129,494 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"wrote {len(shapes)} tensors to {args.out}")
         return 0
-    print(f"hpservice {args.command}: not built yet ({_NOT_BUILT[args.command]})", file=sys.stderr)
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
     return 2
+
+
+# -- service commands (talk to the REST control plane through hpservice.client) -------------------
+
+_SERVICE_COMMANDS = ("submit", "list", "status", "watch", "logs", "cancel", "checkpoints", "delete")
+
+
+def _add_service_commands(sub) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=None, help="service URL (default: HPSERVICE_URL, else http://127.0.0.1:8000)")
+    common.add_argument("--token", default=None, help="bearer token (default: HPSERVICE_TOKEN)")
+    common.add_argument("--json", action="store_true", help="print JSON instead of tables and progress bars")
+
+    def add(name: str, help: str):
+        return sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            parents=[common],
+            epilog=_EXIT_CODES_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    p = add("submit", "validate a job file locally, then submit it to the service")
+    p.add_argument("job")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    p.add_argument("--watch", action="store_true", help="follow the job to its end, like `watch`")
+    p.add_argument(
+        "--idempotency-key", default=None, metavar="KEY", help="a retry with the same key returns the first job"
+    )
+    p = add("list", "list jobs, newest first")
+    p.add_argument("--state", default=None, help="only jobs in this state (e.g. RUNNING)")
+    p.add_argument("--name", default=None, help="only jobs with this name")
+    p.add_argument("--owner", default=None, help="only jobs of this owner (admin tokens)")
+    p.add_argument("--limit", type=int, default=50, help="page size (default 50)")
+    p.add_argument("--cursor", default=None, help="the next_cursor of a previous page")
+    p = add("status", "show one job: state, progress, restarts, checkpoints, history")
+    p.add_argument("id")
+    p = add(
+        "watch",
+        "follow a job with a live progress bar until it ends (--json: one JSON event per line, "
+        'then {"event": "job", "data": <final job>})',
+    )
+    p.add_argument("id")
+    p = add("logs", "print a job's log lines")
+    p.add_argument("id")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
+    p.add_argument("--rank", type=int, default=None, help="only this rank's lines")
+    p.add_argument("--tail", type=int, default=None, help="the last N lines (server default: 100)")
+    p = add("cancel", "cancel a job gracefully (finish the step, checkpoint, stop)")
+    p.add_argument("id")
+    p = add("checkpoints", "list a job's committed checkpoints")
+    p.add_argument("id")
+    p = add("delete", "delete an ended job and its stored metrics and events")
+    p.add_argument("id")
+
+
+def _exit_code(e) -> int:
+    if e.code == "bad_url":
+        return EXIT_USAGE
+    if e.status == 404:
+        return EXIT_NOT_FOUND
+    if e.status in (401, 403):
+        return EXIT_AUTH
+    if 400 <= e.status < 500:
+        return EXIT_USAGE
+    return EXIT_SERVER
+
+
+def _run_service_command(args) -> int:
+    from hpservice.client import ClientError
+
+    handlers = {
+        "submit": _cmd_submit,
+        "list": _cmd_list,
+        "status": _cmd_status,
+        "watch": _cmd_watch,
+        "logs": _cmd_logs,
+        "cancel": _cmd_cancel,
+        "checkpoints": _cmd_checkpoints,
+        "delete": _cmd_delete,
+    }
+    try:
+        return handlers[args.command](args)
+    except ClientError as e:
+        print(f"hpservice {args.command}: {e}", file=sys.stderr)
+        return _exit_code(e)
+
+
+def _client(args):
+    from hpservice.client import Client
+
+    return Client(args.url, args.token)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _print_json(obj, *, compact: bool = False) -> None:
+    print(json.dumps(obj, separators=(",", ":")) if compact else json.dumps(obj, indent=2), flush=True)
+
+
+def _when(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, int | float) else "-"
+
+
+def _text(value):
+    from rich.text import Text
+
+    return Text("-" if value is None else str(value))
+
+
+def _cmd_submit(args) -> int:
+    from hpservice.spec import SpecError, load_job
+
+    try:
+        spec = load_job(args.job, args.set)
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    with _client(args) as client:
+        job = client.submit(spec.model_dump(mode="json", by_alias=True), idempotency_key=args.idempotency_key)
+        if args.json:
+            _print_json(job, compact=args.watch)
+        else:
+            print(f"submitted job {job['id']} ({job['state']})", flush=True)
+        if not args.watch:
+            return EXIT_OK
+        return _watch(client, job["id"], args.json)
+
+
+def _cmd_watch(args) -> int:
+    with _client(args) as client:
+        return _watch(client, args.id, args.json)
+
+
+def _cmd_list(args) -> int:
+    from rich.table import Table
+
+    with _client(args) as client:
+        page = client.list(state=args.state, name=args.name, owner=args.owner, limit=args.limit, cursor=args.cursor)
+    if args.json:
+        _print_json(page)
+        return EXIT_OK
+    items = page.get("items", [])
+    console = _console()
+    if not items:
+        console.print("no jobs")
+    else:
+        table = Table(box=None, pad_edge=False)
+        table.add_column("ID", no_wrap=True, min_width=max(len(str(j.get("id"))) for j in items))
+        for name in ("NAME", "OWNER", "STATE", "STEP", "RESTARTS", "CREATED"):
+            table.add_column(name, justify="right" if name in ("STEP", "RESTARTS") else "left")
+        for j in items:
+            table.add_row(
+                _text(j.get("id")),
+                _text(j.get("name")),
+                _text(j.get("owner")),
+                _text(j.get("state")),
+                _text(f"{j.get('step', 0)}/{j.get('total_steps', '?')}"),
+                _text(j.get("restarts", 0)),
+                _text(_when(j.get("created_at"))),
+            )
+        console.print(table)
+    if page.get("next_cursor"):
+        print(f"more jobs: --cursor {page['next_cursor']}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_status(args) -> int:
+    from rich.table import Table
+
+    with _client(args) as client:
+        job = client.get(args.id)
+    if args.json:
+        _print_json(job)
+        return EXIT_OK
+    console = _console()
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    grid.add_row("id", _text(job.get("id")))
+    grid.add_row("name", _text(job.get("name")))
+    grid.add_row("owner", _text(job.get("owner")))
+    state = job.get("state")
+    grid.add_row("state", _text(f"{state}: {job['message']}" if job.get("message") else state))
+    grid.add_row("step", _text(f"{job.get('step', 0)}/{job.get('total_steps', '?')}"))
+    restarts = job.get("restarts", 0)
+    reasons = job.get("restart_reasons") or []
+    grid.add_row("restarts", _text(f"{restarts} ({'; '.join(reasons)})" if reasons else restarts))
+    ckpts = job.get("checkpoints") or []
+    latest = f" (latest: step {ckpts[-1].get('step')} at {ckpts[-1].get('path')})" if ckpts else ""
+    grid.add_row("checkpoints", _text(f"{len(ckpts)}{latest}"))
+    grid.add_row("created", _text(_when(job.get("created_at"))))
+    grid.add_row("updated", _text(_when(job.get("updated_at"))))
+    if job.get("ray_dashboard_url"):
+        grid.add_row("dashboard", _text(job["ray_dashboard_url"]))
+    console.print(grid)
+    history = job.get("history") or []
+    if history:
+        console.print("[bold]history[/]")
+        hist = Table.grid(padding=(0, 2))
+        for _ in range(3):
+            hist.add_column()
+        for h in history:
+            hist.add_row(_text(_when(h.get("time"))), _text(h.get("state")), _text(h.get("message") or ""))
+        console.print(hist)
+    return EXIT_OK
+
+
+def _cmd_cancel(args) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.id)
+    if args.json:
+        _print_json(job)
+    else:
+        print(f"cancel requested for job {job.get('id', args.id)} ({job.get('state')})")
+    return EXIT_OK
+
+
+def _cmd_delete(args) -> int:
+    with _client(args) as client:
+        client.delete(args.id)
+    if args.json:
+        _print_json({"deleted": args.id})
+    else:
+        print(f"deleted job {args.id}")
+    return EXIT_OK
+
+
+def _cmd_checkpoints(args) -> int:
+    from rich.table import Table
+
+    with _client(args) as client:
+        result = client.checkpoints(args.id)
+    if args.json:
+        _print_json(result)
+        return EXIT_OK
+    ckpts = result.get("checkpoints", [])
+    console = _console()
+    if not ckpts:
+        console.print(f"job {args.id} has no committed checkpoints")
+        return EXIT_OK
+    table = Table(box=None, pad_edge=False)
+    table.add_column("STEP", justify="right")
+    table.add_column("TIME", no_wrap=True)
+    table.add_column("PATH", overflow="fold")
+    table.add_column("METRICS")
+    for c in ckpts:
+        metrics = c.get("metrics") or {}
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        table.add_row(_text(c.get("step")), _text(_when(c.get("time"))), _text(c.get("path")), _text(shown))
+    console.print(table)
+    return EXIT_OK
+
+
+# -- following a job: the event stream, or polling when it is unavailable -------------------------
+
+
+def _follow(client, job_id: str, on_event, *, start_step: int = 0, log_poll=None) -> str:
+    """Feed ``on_event`` the job's events until a terminal state; returns that state.
+
+    Uses the SSE stream; if it fails (other than on auth), polls ``metrics`` + ``get`` (and
+    ``log_poll()``, which returns new log-event dicts) every ``_POLL_INTERVAL_S`` instead.
+    """
+    from hpservice.client import TERMINAL_STATES, ClientError
+
+    step = start_step
+    try:
+        for ev in client.events(job_id):
+            if ev["event"] == "metrics" and isinstance(ev["data"].get("step"), int):
+                step = max(step, ev["data"]["step"])
+            on_event(ev)
+            state = ev["data"].get("state") if ev["event"] == "state" else None
+            if state in TERMINAL_STATES:
+                return state
+    except ClientError as e:
+        if e.status in (401, 403):
+            raise
+        print(
+            f"hpservice: event stream unavailable ({e.message}); polling every {_POLL_INTERVAL_S:g}s", file=sys.stderr
+        )
+    seen = None
+    while True:
+        result = client.metrics(job_id, since_step=step)
+        for rec in result.get("records", []):
+            on_event({"id": None, "event": "metrics", "data": rec})
+        step = max(step, result.get("next_since_step") or step)
+        if log_poll is not None:
+            for line in log_poll():
+                on_event({"id": None, "event": "log", "data": line})
+        job = client.get(job_id)
+        now = (job.get("state"), job.get("message"), job.get("restarts"))
+        if now != seen:
+            seen = now
+            data = {"state": now[0], "message": now[1], "restarts": now[2], "time": job.get("updated_at")}
+            on_event({"id": None, "event": "state", "data": data})
+        if job.get("state") in TERMINAL_STATES:
+            return job["state"]
+        time.sleep(_POLL_INTERVAL_S)
+
+
+def _watch(client, job_id: str, as_json: bool) -> int:
+    """Follow ``job_id`` to its end (progress bar, or JSON lines); the exit code of its final state."""
+    from hpservice.client import TERMINAL_STATES
+
+    job = client.get(job_id)
+    if job["state"] in TERMINAL_STATES:
+        if as_json:
+            _print_json({"id": None, "event": "job", "data": job}, compact=True)
+        else:
+            _summary(_console(), job, None)
+        return _STATE_EXIT[job["state"]]
+    try:
+        if as_json:
+
+            def on_event(ev):
+                _print_json(ev, compact=True)
+
+            state = _follow(client, job_id, on_event)
+            last = None
+        else:
+            state, last = _watch_progress(client, job, _console())
+    except KeyboardInterrupt:
+        print(f"\nstopped watching job {job_id}; it goes on (`hpservice cancel {job_id}` stops it)", file=sys.stderr)
+        return EXIT_CANCELLED
+    final = client.get(job_id)
+    if final.get("state") not in TERMINAL_STATES:
+        final["state"] = state
+    if as_json:
+        _print_json({"id": None, "event": "job", "data": final}, compact=True)
+    else:
+        _summary(_console(), final, last)
+    return _STATE_EXIT[final["state"]]
+
+
+def _watch_progress(client, job: dict, console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    columns = [
+        TextColumn("[bold]{task.fields[state]:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  restarts {task.fields[restarts]}"),
+        TimeRemainingColumn(),
+    ]
+    last: dict = {}
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(
+            "watch",
+            total=job.get("total_steps") or None,
+            completed=job.get("step", 0),
+            state=job["state"],
+            loss="-",
+            tps="-",
+            restarts=job.get("restarts", 0),
+        )
+
+        def on_event(ev):
+            data, kind = ev["data"], ev["event"]
+            if kind == "metrics":
+                last.clear()
+                last.update(data)
+                loss, tps = data.get("loss"), data.get("tokens_per_s")
+                progress.update(
+                    task,
+                    completed=data.get("step", 0),
+                    loss=f"{loss:.4f}" if isinstance(loss, int | float) else "-",
+                    tps=f"{tps:,.0f}" if isinstance(tps, int | float) else "-",
+                )
+            elif kind == "state":
+                progress.update(task, state=data.get("state", "?"), restarts=data.get("restarts", 0))
+                if data.get("state") == "RESTARTING" and data.get("message"):
+                    progress.console.print(Text(f"restarting: {data['message']}"))
+            elif kind == "checkpoint":
+                progress.console.print(Text(f"checkpoint at step {data.get('step')}: {data.get('path')}"))
+
+        state = _follow(client, job["id"], on_event, start_step=job.get("step", 0))
+    return state, last or None
+
+
+def _summary(console, job: dict, last: dict | None) -> None:
+    from rich.text import Text
+
+    state = job["state"]
+    style = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(state, "bold")
+    line = Text(state, style=style)
+    if job.get("message"):
+        line.append(f": {job['message']}")
+    console.print(line)
+    step = (last or {}).get("step", job.get("step", 0))
+    parts = [f"step {step}/{job.get('total_steps', '?')}"]
+    if last and isinstance(last.get("loss"), int | float):
+        parts.append(f"final loss {last['loss']:.4f}")
+    if last and isinstance(last.get("tokens_per_s"), int | float):
+        parts.append(f"{last['tokens_per_s']:,.0f} tok/s")
+    console.print(Text("  " + ", ".join(parts)))
+    if job.get("restarts"):
+        console.print(Text(f"  restarts: {job['restarts']} ({'; '.join(job.get('restart_reasons') or [])})"))
+    if job.get("checkpoints"):
+        console.print(Text(f"  latest checkpoint: {job['checkpoints'][-1].get('path')}"))
+
+
+# -- logs ------------------------------------------------------------------------------------------
+
+
+def _log_text(line: dict) -> str:
+    step = line.get("step")
+    return f"[rank {line.get('rank', '?')} step {'-' if step is None else step}] {line.get('line', '')}"
+
+
+def _log_key(line: dict):
+    return (line.get("rank"), line.get("step"), line.get("line"))
+
+
+class _LogCursor:
+    """Decides which log lines are new after the last printed one (the ``anchor``).
+
+    Lines with a ``time`` newer than the anchor's are new; without times, a line is new once the
+    anchor itself has gone by, or once its step is past the anchor's.
+    """
+
+    def __init__(self, anchor: dict | None):
+        self.anchor = anchor
+
+    def is_new(self, line: dict) -> bool:
+        a = self.anchor
+        if a is None:
+            return True
+        t, at = line.get("time"), a.get("time")
+        if isinstance(t, int | float) and isinstance(at, int | float):
+            new = t > at
+        elif _log_key(line) == _log_key(a):
+            self.anchor = None
+            return False
+        else:
+            s, as_ = line.get("step"), a.get("step")
+            new = isinstance(s, int) and isinstance(as_, int) and s > as_
+        if new:
+            self.anchor = None
+        return new
+
+
+def _cmd_logs(args) -> int:
+    with _client(args) as client:
+        lines = client.logs(args.id, rank=args.rank, tail=args.tail).get("lines", [])
+        for line in lines:
+            print(_json_or_text(line, args.json), flush=True)
+        if not args.follow:
+            return EXIT_OK
+        cursor = _LogCursor(lines[-1] if lines else None)
+        poll_cursor = _LogCursor(lines[-1] if lines else None)
+
+        def log_poll():
+            got = client.logs(args.id, rank=args.rank, tail=1000).get("lines", [])
+            new = [ln for ln in got if poll_cursor.is_new(ln)]
+            if got:
+                poll_cursor.anchor = got[-1]
+            return new
+
+        def on_event(ev):
+            if ev["event"] != "log":
+                return
+            line = ev["data"]
+            if args.rank is not None and line.get("rank") != args.rank:
+                return
+            if ev["id"] is not None:  # from the stream, which replays the history first
+                if not cursor.is_new(line):
+                    return
+                poll_cursor.anchor = line  # should the stream fail, polling resumes after this line
+            print(_json_or_text(line, args.json), flush=True)
+
+        try:
+            _follow(client, args.id, on_event, log_poll=log_poll)
+        except KeyboardInterrupt:
+            return EXIT_CANCELLED
+    return EXIT_OK
+
+
+def _json_or_text(line: dict, as_json: bool) -> str:
+    return json.dumps(line, separators=(",", ":")) if as_json else _log_text(line)
 
 
 if __name__ == "__main__":

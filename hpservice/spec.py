@@ -13,13 +13,33 @@ A minimal job file::
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["JobSpec", "SpecError", "apply_overrides", "load_job", "parse_job"]
+__all__ = ["JobSpec", "SpecError", "apply_overrides", "load_job", "parse_job", "yaml_load"]
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2-style floats: PyYAML reads ``3e-4`` (no dot) as a string, which a strict spec rejects."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str):
+    """Parse YAML text (safe loader, 1.2-style floats)."""
+    return yaml.load(text, Loader=_Loader)
 
 
 class SpecError(ValueError):
@@ -31,7 +51,8 @@ class SpecError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    # strict: `tensorboard: 0` or `steps: "5"` is an error, not a silent coercion.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, strict=True)
 
 
 class ModelSpec(_Section):
@@ -173,7 +194,14 @@ def parse_job(data: Any, *, source: str = "job") -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping of sections, got {type(data).__name__}")
     try:
-        return JobSpec.model_validate(data)
+        text = json.dumps(data)
+    except (TypeError, ValueError) as e:
+        raise SpecError(
+            f"{source}: values must be plain strings, numbers, booleans, lists and mappings ({e})"
+        ) from None
+    try:
+        # JSON mode: strict types, with JSON's own conversions (arrays for tuples, ints for floats).
+        return JobSpec.model_validate_json(text)
     except ValidationError as e:
         errors = [(_field_path(err["loc"]), err["msg"]) for err in e.errors()]
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
@@ -192,7 +220,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise SpecError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = yaml_load(raw)
     return data
 
 
@@ -204,7 +232,7 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     except OSError as e:
         raise SpecError(f"{path}: cannot read job file ({e.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

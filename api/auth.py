@@ -1,0 +1,29 @@
+"""Bearer-token auth as a FastAPI dependency: who is asking, and which jobs they may see."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from .errors import APIError
+from .settings import Principal
+
+LOCAL = Principal("local", admin=True)
+
+
+def current_principal(request: Request) -> Principal:
+    settings = request.app.state.settings
+    if not settings.auth_enabled:
+        return LOCAL
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        # EventSource cannot send headers: the events route also takes ?token=.
+        token = request.query_params.get("token", "") if request.url.path.endswith("/events") else ""
+    principal = settings.tokens.get(token.strip()) if token else None
+    if principal is None:
+        raise APIError(401, "missing or invalid bearer token")
+    return principal
+
+
+def visible(principal: Principal, job: dict | None) -> bool:
+    return job is not None and (principal.admin or job["owner"] == principal.owner)

@@ -1,0 +1,52 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import ray
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from ..errors import error_body
+from ..schemas import ErrorOut
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"model": ErrorOut}})
+def readyz(request: Request):
+    try:
+        request.app.state.store.ping()
+    except Exception as e:  # a broken store makes the service unready, not the request a 500
+        return JSONResponse(error_body(503, f"store unavailable: {type(e).__name__}"), status_code=503)
+    if not ray.is_initialized():
+        return JSONResponse(error_body(503, "not connected to Ray"), status_code=503)
+    return {"status": "ready"}
+
+
+class _JobsCollector:
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        g = GaugeMetricFamily("hpservice_jobs", "jobs in the store by state", labels=["state"])
+        for state, n in sorted(self.store.count_by_state().items()):
+            g.add_metric([state], n)
+        yield g
+
+
+def make_registry(store) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(_JobsCollector(store))
+    return registry
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

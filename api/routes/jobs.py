@@ -1,0 +1,221 @@
+"""/v1/jobs: submit, list, inspect, cancel, delete; metrics, events (SSE), logs, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import uuid
+
+import yaml
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hpservice.spec import SpecError, parse_job, yaml_load
+
+from ..auth import current_principal, visible
+from ..errors import APIError
+from ..schemas import ERRORS, CheckpointList, JobList, JobOut, LogList, MetricsPage
+from ..settings import Principal
+from ..store import TERMINAL
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
+
+MAX_BODY = 1 << 20
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+SPEC_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
+            "application/yaml": {"schema": {"type": "string"}},
+        },
+    }
+}
+
+
+def _out(request: Request, job: dict) -> dict:
+    base = request.app.state.settings.dashboard_url
+    return {**job, "ray_dashboard_url": f"{base}/#/actors" if base else None}
+
+
+def _job_or_404(request: Request, job_id: str, principal: Principal) -> dict:
+    job = request.app.state.store.get_job(job_id)
+    if not visible(principal, job):
+        raise APIError(404, f"job {job_id} not found")
+    return job
+
+
+async def _parse_body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise APIError(413, f"job spec larger than {MAX_BODY} bytes")
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(422, "body is not UTF-8 text") from None
+    if ctype in YAML_TYPES:
+        try:
+            data = yaml_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise APIError(422, f"YAML syntax error{where}: {getattr(e, 'problem', None) or e}") from None
+    elif ctype in ("application/json", ""):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise APIError(422, f"JSON syntax error at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    else:
+        raise APIError(415, f"unsupported content type {ctype!r}; use application/json or application/yaml")
+    return data
+
+
+@router.post("", status_code=201, response_model=JobOut, openapi_extra=SPEC_BODY, responses={200: {"model": JobOut}})
+async def submit(
+    request: Request,
+    principal: Principal = Depends(current_principal),
+    idempotency_key: str | None = Header(None, max_length=200),
+):
+    data = await _parse_body(request)
+    try:
+        spec = parse_job(data, source="job spec")
+    except SpecError as e:
+        details = [{"path": path, "message": msg} for path, msg in e.errors]
+        raise APIError(422, str(e).splitlines()[0], details) from None
+    job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    store = request.app.state.store
+    job, created = await asyncio.to_thread(
+        store.create_job,
+        job_id,
+        spec.name,
+        principal.owner,
+        spec.model_dump(mode="json", by_alias=True),
+        spec.training.steps,
+        idempotency_key,
+    )
+    return JSONResponse(_out(request, job), status_code=201 if created else 200)
+
+
+def _cursor(cursor: str | None) -> tuple[float, str] | None:
+    if cursor is None:
+        return None
+    try:
+        created, job_id = json.loads(base64.urlsafe_b64decode(cursor.encode()).decode())
+        return float(created), str(job_id)
+    except Exception:
+        raise APIError(400, "invalid cursor") from None
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    request: Request,
+    principal: Principal = Depends(current_principal),
+    state: str | None = Query(None, max_length=16),
+    name: str | None = Query(None, max_length=80),
+    owner: str | None = Query(None, max_length=80),
+    limit: int = Query(50, ge=1, le=500),
+    cursor: str | None = Query(None, max_length=400),
+):
+    if not principal.admin:
+        if owner is not None and owner != principal.owner:
+            return {"items": [], "next_cursor": None}
+        owner = principal.owner
+    items = request.app.state.store.list_jobs(owner=owner, state=state, name=name, limit=limit, cursor=_cursor(cursor))
+    next_cursor = None
+    if len(items) == limit:
+        last = items[-1]
+        next_cursor = base64.urlsafe_b64encode(json.dumps([last["created_at"], last["id"]]).encode()).decode()
+    return {"items": [_out(request, j) for j in items], "next_cursor": next_cursor}
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
+    return _out(request, _job_or_404(request, job_id, principal))
+
+
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobOut)
+def cancel(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
+    job = _job_or_404(request, job_id, principal)
+    request.app.state.supervisor.cancel(job)
+    return _out(request, request.app.state.store.get_job(job_id))
+
+
+@router.delete("/{job_id}", status_code=204)
+def delete(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
+    job = _job_or_404(request, job_id, principal)
+    if job["state"] not in TERMINAL:
+        raise APIError(409, f"job {job_id} is {job['state']}; cancel it and wait for it to end first")
+    request.app.state.store.delete_job(job_id)
+    return Response(status_code=204)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPage)
+def metrics(
+    job_id: str, request: Request, since_step: int = Query(0, ge=0), principal: Principal = Depends(current_principal)
+):
+    _job_or_404(request, job_id, principal)
+    records = request.app.state.store.metrics(job_id, since_step)
+    return {"records": records, "next_since_step": records[-1]["step"] if records else since_step}
+
+
+@router.get("/{job_id}/logs", response_model=LogList)
+def logs(
+    job_id: str,
+    request: Request,
+    rank: int | None = Query(None, ge=0),
+    tail: int | None = Query(None, ge=1, le=100_000),
+    principal: Principal = Depends(current_principal),
+):
+    _job_or_404(request, job_id, principal)
+    return {"lines": request.app.state.store.logs(job_id, rank, tail)}
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList)
+def checkpoints(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
+    return {"checkpoints": _job_or_404(request, job_id, principal)["checkpoints"]}
+
+
+@router.get(
+    "/{job_id}/events", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}}
+)
+async def events(
+    job_id: str,
+    request: Request,
+    principal: Principal = Depends(current_principal),
+    last_event_id: str | None = Header(None, max_length=20),
+    token: str | None = Query(None, max_length=400, description="bearer token, for EventSource clients"),
+):
+    _job_or_404(request, job_id, principal)
+    try:
+        after = int(last_event_id) if last_event_id else 0
+    except ValueError:
+        raise APIError(400, "Last-Event-ID must be an integer") from None
+    store = request.app.state.store
+
+    async def stream():
+        nonlocal after
+        idle = 0.0
+        while True:
+            batch = await asyncio.to_thread(store.events, job_id, after)
+            for seq, kind, data in batch:
+                after = seq
+                yield f"id: {seq}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
+                if kind == "state" and data["state"] in TERMINAL:
+                    return
+            if batch:
+                idle = 0.0
+                continue
+            if await request.is_disconnected():
+                return
+            job = await asyncio.to_thread(store.get_job, job_id)
+            if job is None:
+                return
+            await asyncio.sleep(0.25)
+            idle += 0.25
+            if idle >= 15:
+                idle = 0.0
+                yield ": keep-alive\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

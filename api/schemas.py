@@ -1,0 +1,69 @@
+"""Response schemas at the edge (the request body is hpservice.spec.JobSpec)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class HistoryEntry(BaseModel):
+    state: str
+    time: float
+    message: str = ""
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    owner: str
+    state: str
+    message: str
+    step: int
+    total_steps: int
+    restarts: int
+    restart_reasons: list[str]
+    created_at: float
+    updated_at: float
+    history: list[HistoryEntry]
+    checkpoints: list[dict[str, Any]]
+    spec: dict[str, Any]
+    ray_dashboard_url: str | None = None
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None
+
+
+class MetricsPage(BaseModel):
+    records: list[dict[str, Any]]
+    next_since_step: int
+
+
+class LogLine(BaseModel):
+    rank: int
+    step: int
+    time: float
+    line: str
+
+
+class LogList(BaseModel):
+    lines: list[LogLine]
+
+
+class CheckpointList(BaseModel):
+    checkpoints: list[dict[str, Any]]
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    details: list[Any] = []
+
+
+class ErrorOut(BaseModel):
+    error: ErrorDetail
+
+
+ERRORS = {status: {"model": ErrorOut} for status in (400, 401, 404, 409, 413, 415, 422)}

@@ -1,0 +1,271 @@
+"""The job store: SQLAlchemy over an embedded SQLite file by default, any database URL by setting.
+
+Three tables: ``jobs`` (one row per job: spec, state, progress, history), ``metrics`` (one row
+per (job, step); a step re-run after a restart replaces its row) and ``events`` (the ordered
+event log that Server-Sent Events replay: a per-job sequence number is the SSE id).
+
+Writes go through one lock: SQLite allows one writer at a time, and serialising in the process
+avoids "database is locked" under bursts of concurrent submissions.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import Float, Integer, String, Text, UniqueConstraint, create_engine, delete, event, func, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (UniqueConstraint("owner", "idempotency_key"),)
+
+    id: Mapped[str] = mapped_column(String(80), primary_key=True)
+    name: Mapped[str] = mapped_column(String(80), index=True)
+    owner: Mapped[str] = mapped_column(String(80), index=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+    spec_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    updated_at: Mapped[float] = mapped_column(Float)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int] = mapped_column(Integer)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    restart_reasons_json: Mapped[str] = mapped_column(Text, default="[]")
+    history_json: Mapped[str] = mapped_column(Text, default="[]")
+    checkpoints_json: Mapped[str] = mapped_column(Text, default="[]")
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    started: Mapped[int] = mapped_column(Integer, default=0)  # the coordinator was launched
+    log_time: Mapped[float] = mapped_column(Float, default=0.0)  # newest log line stored
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "owner": self.owner,
+            "state": self.state,
+            "message": self.message,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "restarts": self.restarts,
+            "restart_reasons": json.loads(self.restart_reasons_json),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "history": json.loads(self.history_json),
+            "checkpoints": json.loads(self.checkpoints_json),
+            "spec": json.loads(self.spec_json),
+        }
+
+
+class MetricRow(Base):
+    __tablename__ = "metrics"
+    job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    record_json: Mapped[str] = mapped_column(Text)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    data_json: Mapped[str] = mapped_column(Text)
+
+
+class Store:
+    def __init__(self, url: str):
+        sqlite = url.startswith("sqlite")
+        self.engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {})
+        if sqlite:
+
+            @event.listens_for(self.engine, "connect")
+            def _pragmas(conn, _record):
+                cur = conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA busy_timeout=30000")
+                cur.close()
+
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write = threading.Lock()
+
+    def session(self) -> Session:
+        return self._sessions()
+
+    def ping(self) -> None:
+        with self.session() as s:
+            s.execute(select(1))
+
+    # ---- jobs -------------------------------------------------------------------------------
+    def create_job(self, job_id: str, name: str, owner: str, spec: dict, total_steps: int, idempotency_key: str | None):
+        """Insert a QUEUED job; returns (row dict, created). An idempotency key seen before for the
+        same owner returns the existing job instead."""
+        now = time.time()
+        with self._write, self.session() as s:
+            if idempotency_key is not None:
+                existing = s.scalar(
+                    select(JobRow).where(JobRow.owner == owner, JobRow.idempotency_key == idempotency_key)
+                )
+                if existing is not None:
+                    return existing.to_dict(), False
+            history = [{"state": "QUEUED", "time": now, "message": "submitted"}]
+            row = JobRow(
+                id=job_id, name=name, owner=owner, state="QUEUED", message="submitted", spec_json=json.dumps(spec),
+                created_at=now, updated_at=now, step=0, total_steps=total_steps, restarts=0,
+                history_json=json.dumps(history), idempotency_key=idempotency_key,
+            )  # fmt: skip
+            s.add(row)
+            self._add_event(s, job_id, "state", {"state": "QUEUED", "message": "submitted", "restarts": 0, "time": now})
+            s.commit()
+            return row.to_dict(), True
+
+    def get_job(self, job_id: str) -> dict | None:
+        with self.session() as s:
+            row = s.get(JobRow, job_id)
+            return row.to_dict() if row else None
+
+    def list_jobs(
+        self, *, owner: str | None, state: str | None, name: str | None, limit: int, cursor: tuple[float, str] | None
+    ) -> list[dict]:
+        """Newest first; ``cursor`` is the (created_at, id) of the last item of the previous page."""
+        q = select(JobRow)
+        if owner is not None:
+            q = q.where(JobRow.owner == owner)
+        if state is not None:
+            q = q.where(JobRow.state == state)
+        if name is not None:
+            q = q.where(JobRow.name == name)
+        if cursor is not None:
+            created, last_id = cursor
+            q = q.where((JobRow.created_at < created) | ((JobRow.created_at == created) & (JobRow.id < last_id)))
+        q = q.order_by(JobRow.created_at.desc(), JobRow.id.desc()).limit(limit)
+        with self.session() as s:
+            return [r.to_dict() for r in s.scalars(q)]
+
+    def jobs_in(self, states: tuple[str, ...]) -> list[dict]:
+        with self.session() as s:
+            rows = s.scalars(select(JobRow).where(JobRow.state.in_(states)).order_by(JobRow.created_at, JobRow.id))
+            return [dict(r.to_dict(), started=bool(r.started), log_time=r.log_time) for r in rows]
+
+    def mark_started(self, job_id: str) -> None:
+        with self._write, self.session() as s:
+            row = s.get(JobRow, job_id)
+            row.started = 1
+            s.commit()
+
+    def update_status(self, job_id: str, status: dict) -> None:
+        """Apply a coordinator status (state, message, step, restarts, history, checkpoints)."""
+        with self._write, self.session() as s:
+            row = s.get(JobRow, job_id)
+            if row is None:
+                return
+            old_state, old_restarts = row.state, row.restarts
+            old_checkpoints = {c["step"] for c in json.loads(row.checkpoints_json)}
+            history = json.loads(row.history_json)
+            seen = {(h["state"], h["time"]) for h in history}
+            history += [h for h in status.get("history", []) if (h["state"], h["time"]) not in seen]
+            row.state = status["state"]
+            row.message = status.get("message", row.message)
+            row.step = max(row.step, status.get("step", 0))
+            row.restarts = status.get("restarts", row.restarts)
+            row.restart_reasons_json = json.dumps(status.get("restart_reasons", []))
+            row.history_json = json.dumps(history)
+            checkpoints = status.get("checkpoints", json.loads(row.checkpoints_json))
+            row.checkpoints_json = json.dumps(checkpoints)
+            row.updated_at = time.time()
+            for c in checkpoints:
+                if c["step"] not in old_checkpoints:
+                    self._add_event(s, job_id, "checkpoint", c)
+            if row.state != old_state or row.restarts != old_restarts:
+                data = {"state": row.state, "message": row.message, "restarts": row.restarts, "time": row.updated_at}
+                self._add_event(s, job_id, "state", data)
+            s.commit()
+
+    def set_state(self, job_id: str, state: str, message: str) -> None:
+        self.update_status(
+            job_id,
+            {
+                "state": state,
+                "message": message,
+                "history": [{"state": state, "time": time.time(), "message": message}],
+            },
+        )
+
+    def delete_job(self, job_id: str) -> None:
+        with self._write, self.session() as s:
+            s.execute(delete(MetricRow).where(MetricRow.job_id == job_id))
+            s.execute(delete(EventRow).where(EventRow.job_id == job_id))
+            s.execute(delete(JobRow).where(JobRow.id == job_id))
+            s.commit()
+
+    def count_by_state(self) -> dict[str, int]:
+        with self.session() as s:
+            return dict(s.execute(select(JobRow.state, func.count()).group_by(JobRow.state)).all())
+
+    # ---- metrics, logs, events --------------------------------------------------------------
+    def add_metrics(self, job_id: str, records: list[dict]) -> None:
+        if not records:
+            return
+        with self._write, self.session() as s:
+            for r in records:
+                s.merge(MetricRow(job_id=job_id, step=r["step"], record_json=json.dumps(r)))
+                self._add_event(s, job_id, "metrics", r)
+            row = s.get(JobRow, job_id)
+            if row is not None:
+                row.step = max(row.step, max(r["step"] for r in records))
+            s.commit()
+
+    def last_metric_step(self, job_id: str) -> int:
+        with self.session() as s:
+            return s.scalar(select(func.max(MetricRow.step)).where(MetricRow.job_id == job_id)) or 0
+
+    def metrics(self, job_id: str, since_step: int) -> list[dict]:
+        with self.session() as s:
+            q = (
+                select(MetricRow)
+                .where(MetricRow.job_id == job_id, MetricRow.step > since_step)
+                .order_by(MetricRow.step)
+            )
+            return [json.loads(r.record_json) for r in s.scalars(q)]
+
+    def add_logs(self, job_id: str, lines: list[dict]) -> None:
+        if not lines:
+            return
+        with self._write, self.session() as s:
+            for line in lines:
+                self._add_event(s, job_id, "log", {k: line[k] for k in ("rank", "step", "time", "line")})
+            row = s.get(JobRow, job_id)
+            row.log_time = max(row.log_time, max(line["time"] for line in lines))
+            s.commit()
+
+    def logs(self, job_id: str, rank: int | None, tail: int | None) -> list[dict]:
+        with self.session() as s:
+            q = select(EventRow).where(EventRow.job_id == job_id, EventRow.kind == "log").order_by(EventRow.seq)
+            lines = [json.loads(r.data_json) for r in s.scalars(q)]
+        if rank is not None:
+            lines = [line for line in lines if line["rank"] == rank]
+        return lines[-tail:] if tail else lines
+
+    def events(self, job_id: str, after_seq: int, limit: int = 1000) -> list[tuple[int, str, dict]]:
+        with self.session() as s:
+            q = (
+                select(EventRow)
+                .where(EventRow.job_id == job_id, EventRow.seq > after_seq)
+                .order_by(EventRow.seq)
+                .limit(limit)
+            )
+            return [(r.seq, r.kind, json.loads(r.data_json)) for r in s.scalars(q)]
+
+    def _add_event(self, s: Session, job_id: str, kind: str, data: dict) -> None:
+        last = s.scalar(select(func.max(EventRow.seq)).where(EventRow.job_id == job_id)) or 0
+        s.add(EventRow(job_id=job_id, seq=last + 1, kind=kind, data_json=json.dumps(data)))
+        s.flush()

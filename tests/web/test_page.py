@@ -1,0 +1,347 @@
+"""The web page (api/static) in headless Chromium, against a fake API server.
+
+The fake implements ``GET /``, ``/static``, ``/v1/jobs``, ``/v1/jobs/{id}`` and the SSE stream
+``/v1/jobs/{id}/events`` (docs/api.md). Its one job starts when the first client opens the stream:
+~3 s of metrics (with a restart from the step-10 checkpoint half-way), checkpoints and log lines,
+then ``SUCCEEDED``. Needs Debian's ``chromium`` and ``chromium-driver`` and the ``selenium`` package;
+skipped when Chromium is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+STATIC = Path(__file__).resolve().parents[2] / "api" / "static"
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+SCREENSHOT = "/tmp/hpservice-page.png"
+
+JOB_ID = "tiny-cpu-3f2a9c1d"
+STEPS = 30
+TICK_S = 0.085  # one metrics record per tick: 35 records (5 replayed after the restart) ~ 3 s
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+RESTART_REASON = "rank 1 exited with code 137 (OOM killed); restarting from step 10"
+
+LOSS = '[data-testid="loss-chart"]'
+STATE = '[data-testid="job-state"]'
+ROW = '[data-testid="job-row"]'
+
+
+class FakeJob:
+    """One job; its events are produced on the server's loop once the first stream opens."""
+
+    def __init__(self) -> None:
+        now = time.time()
+        self.events: list[tuple[int, str, dict]] = []
+        self.started = False
+        self.stream_queries: list[dict[str, str]] = []
+        self._task: asyncio.Task | None = None
+        self.job = {
+            "id": JOB_ID,
+            "name": "tiny-cpu",
+            "owner": "alice",
+            "state": "QUEUED",
+            "message": "waiting for resources",
+            "step": 0,
+            "total_steps": STEPS,
+            "restarts": 0,
+            "restart_reasons": [],
+            "created_at": now,
+            "updated_at": now,
+            "history": [{"state": "QUEUED", "time": now, "message": "waiting for resources"}],
+            "checkpoints": [],
+            "spec": {"name": "tiny-cpu", "training": {"steps": STEPS}},
+            "ray_dashboard_url": "http://127.0.0.1:8265/#/actors",
+        }
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            self._task = asyncio.get_running_loop().create_task(self._produce())
+
+    def _emit(self, kind: str, data: dict) -> None:
+        job = self.job
+        job["updated_at"] = time.time()
+        if kind == "state":
+            data = {**data, "restarts": job["restarts"], "time": job["updated_at"]}
+            job["state"], job["message"] = data["state"], data["message"]
+            job["history"].append({"state": data["state"], "time": data["time"], "message": data["message"]})
+        elif kind == "metrics":
+            job["step"] = data["step"]
+        elif kind == "checkpoint":
+            job["checkpoints"].append({**data, "time": job["updated_at"]})
+        self.events.append((len(self.events) + 1, kind, data))
+
+    async def _produce(self) -> None:
+        self._emit("state", {"state": "STARTING", "message": "placing 2 workers"})
+        await asyncio.sleep(TICK_S)
+        self._emit("state", {"state": "RUNNING", "message": "2 workers, rendezvous 10.0.0.5:41234"})
+        step = 1
+        restarted = False
+        while step <= STEPS:
+            await asyncio.sleep(TICK_S)
+            self._emit(
+                "metrics",
+                {
+                    "step": step,
+                    "loss": 5.5 * 0.93**step + 0.4,
+                    "lr": 3e-4 * min(1.0, step / 5),
+                    "grad_norm": 0.6,
+                    "tokens_per_s": 12000.0 + 150 * step,
+                    "step_time_s": 0.03,
+                },
+            )
+            if step % 5 == 0:
+                self._emit("log", {"rank": 0, "step": step, "line": f"step {step} loss {5.5 * 0.93**step + 0.4:.3f}"})
+            if step % 10 == 0:
+                self._emit(
+                    "checkpoint", {"step": step, "path": f"/data/ckpt/{JOB_ID}/step-{step}", "metrics": {"loss": 1.7}}
+                )
+            if step == 15 and not restarted:
+                restarted = True
+                self.job["restarts"] += 1
+                self.job["restart_reasons"].append(RESTART_REASON)
+                self._emit("state", {"state": "RESTARTING", "message": RESTART_REASON})
+                self._emit("state", {"state": "RUNNING", "message": "2 workers, resumed from step 10"})
+                step = 11
+                continue
+            step += 1
+        self._emit("state", {"state": "SUCCEEDED", "message": f"finished {STEPS} steps"})
+
+    async def stream(self, after: int):
+        i = after
+        while True:
+            while i < len(self.events):
+                seq, kind, data = self.events[i]
+                i += 1
+                yield f"id: {seq}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
+                if kind == "state" and data["state"] in TERMINAL:
+                    return
+            await asyncio.sleep(0.02)
+
+
+def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
+    app = FastAPI()
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    def denied(request: Request, query_ok: bool = False) -> JSONResponse | None:
+        if token is None:
+            return None
+        if request.headers.get("authorization") == f"Bearer {token}":
+            return None
+        if query_ok and request.query_params.get("token") == token:
+            return None
+        return JSONResponse({"error": {"code": "unauthorized", "message": "missing or invalid bearer token"}}, 401)
+
+    def not_found(job_id: str) -> JSONResponse:
+        return JSONResponse({"error": {"code": "not_found", "message": f"job {job_id} not found"}}, 404)
+
+    @app.get("/")
+    def index():
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/v1/jobs")
+    def list_jobs(request: Request):
+        return denied(request) or {"items": [fake.job], "next_cursor": None}
+
+    @app.get("/v1/jobs/{job_id}")
+    def get_job(job_id: str, request: Request):
+        return denied(request) or (fake.job if job_id == JOB_ID else not_found(job_id))
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def events(job_id: str, request: Request):
+        if (refused := denied(request, query_ok=True)) is not None:
+            return refused
+        if job_id != JOB_ID:
+            return not_found(job_id)
+        fake.stream_queries.append(dict(request.query_params))
+        fake.start()
+        after = int(request.headers.get("last-event-id") or 0)
+        return StreamingResponse(
+            fake.stream(after), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    return app
+
+
+@contextlib.contextmanager
+def serve(app: FastAPI):
+    """Run ``app`` with uvicorn on a free loopback port in a background thread; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the fake server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.skip(f"Chromium is not installed ({CHROMIUM}, {CHROMEDRIVER}): apt-get install chromium chromium-driver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1000"]:
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait(driver, condition, timeout: float = 15.0):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition)
+
+
+def css(driver, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, selector)
+
+
+def css_all(driver, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def watch_points(driver, timeout: float = 20.0) -> list[int]:
+    """Sample the loss chart's point count until the job's badge says it ended; the distinct values seen."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = int(css(driver, LOSS).get_attribute("data-points"))
+        if not seen or n != seen[-1]:
+            seen.append(n)
+        if css(driver, STATE).text in TERMINAL:
+            seen.append(int(css(driver, LOSS).get_attribute("data-points")))
+            break
+        time.sleep(0.05)
+    return seen
+
+
+def test_page_shows_a_live_job(browser):
+    fake = FakeJob()
+    with serve(make_app(fake)) as base:
+        browser.get(f"{base}/")
+        assert browser.title == "hpservice"
+
+        # the list shows the job, polled from /v1/jobs
+        rows = wait(browser, lambda d: css_all(d, ROW))
+        assert len(rows) == 1
+        assert rows[0].get_attribute("data-job-id") == JOB_ID
+        for text in (JOB_ID, "tiny-cpu", "alice", "QUEUED", f"0 / {STEPS}"):
+            assert text in rows[0].text
+        assert css(browser, "#job-detail").is_displayed() is False
+        assert not fake.started
+
+        # selecting it shows the chart and opens the stream
+        rows[0].click()
+        wait(browser, lambda d: css(d, LOSS).is_displayed())
+        assert browser.execute_script("return location.hash") == f"#job={JOB_ID}"
+        assert rows[0].get_attribute("aria-current") == "true"
+
+        seen = watch_points(browser)
+        assert seen == sorted(seen), f"the loss chart lost points: {seen}"
+        assert seen[-1] == STEPS, f"restart replays replace points, not add them: {seen}"
+        growing = [n for n in seen if 0 < n < STEPS]
+        assert len(growing) >= 5, f"the chart did not grow while the stream ran: {seen}"
+
+        wait(browser, lambda d: css(d, STATE).text == "SUCCEEDED")
+        assert css(browser, "#job-message").text == f"finished {STEPS} steps"
+        wait(browser, lambda d: "SUCCEEDED" in css(d, ROW).text)
+        assert css(browser, '[data-testid="lr-chart"]').get_attribute("data-points") == str(STEPS)
+        assert css(browser, '[data-testid="tps-chart"]').get_attribute("data-points") == str(STEPS)
+        assert css(browser, '[data-testid="job-step"]').text == f"{STEPS} / {STEPS}"
+
+        # checkpoints, restarts with reasons, logs, the Ray link
+        wait(browser, lambda d: len(css_all(d, '[data-testid="checkpoints"] tbody tr')) == 3)
+        assert "/step-30" in css(browser, '[data-testid="checkpoints"]').text
+        wait(browser, lambda d: RESTART_REASON in css(d, '[data-testid="restart-reasons"]').text)
+        assert css(browser, '[data-testid="restart-count"]').text == "1 restart."
+        assert "step 30 loss" in css(browser, '[data-testid="logs"]').text
+        assert css(browser, '[data-testid="ray-link"]').get_attribute("href") == "http://127.0.0.1:8265/#/actors"
+        assert fake.stream_queries == [{}], "one stream, no token in the URL without a token"
+
+        browser.save_screenshot(SCREENSHOT)
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+
+
+def test_page_asks_for_a_token_and_selects_from_the_hash(browser):
+    token = "s3cret-token"
+    fake = FakeJob()
+    with serve(make_app(fake, token=token)) as base:
+        browser.get(f"{base}/#job={JOB_ID}")
+
+        # 401: the token form shows; the stream was refused, so the job has not started
+        field = wait(
+            browser, lambda d: css(d, '[data-testid="token-input"]') if css(d, "#auth").is_displayed() else None
+        )
+        assert not fake.started
+        field.send_keys(token)
+        css(browser, '[data-testid="token-save"]').click()
+
+        # with the token: the list loads, the job from the hash is selected and streams to the end
+        wait(browser, lambda d: css_all(d, ROW))
+        assert not css(browser, "#auth").is_displayed()
+        assert css(browser, LOSS).is_displayed()
+        seen = watch_points(browser)
+        assert seen[-1] == STEPS, seen
+        assert css(browser, STATE).text == "SUCCEEDED"
+        assert fake.stream_queries == [{"token": token}]
+        assert browser.execute_script("return localStorage.getItem('hpservice.token')") == token
+
+        # a narrow window: one column, nothing wider than the viewport
+        browser.set_window_size(390, 900)
+        wait(browser, lambda d: d.execute_script("return window.innerWidth") <= 400)
+        overflow = browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 0, f"the page is {overflow}px wider than a narrow window"
+        assert css(browser, LOSS).size["width"] <= 390
+
+        # the saved token is used on the next visit without asking
+        browser.refresh()
+        wait(browser, lambda d: css(d, STATE).text == "SUCCEEDED")
+        assert not css(browser, "#auth").is_displayed()
