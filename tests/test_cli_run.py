@@ -23,5 +23,7 @@ def test_hpservice_run_tiny_example(tmp_path):
 def test_hpservice_run_rejects_bad_spec(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nresources: {workers: 0}\n")
-    out = subprocess.run([sys.executable, "-m", "hpservice", "run", str(bad)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpservice", "run", str(bad)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "resources.workers" in out.stderr
