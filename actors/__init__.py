@@ -21,18 +21,33 @@ from .coordinator import TERMINAL, Coordinator, coordinator_name, worker_name
 
 NAMESPACE = "hpservice"
 
-__all__ = ["NAMESPACE", "TERMINAL", "JobHandle", "coordinator_name", "init_local_ray", "start_job", "worker_name"]
+__all__ = [
+    "NAMESPACE",
+    "TERMINAL",
+    "JobHandle",
+    "connect_ray",
+    "coordinator_name",
+    "init_local_ray",
+    "start_job",
+    "worker_name",
+]
+
+
+def connect_ray(address: str):
+    """Join the Ray cluster at ``address``."""
+    return ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 
 
 def init_local_ray(*, num_cpus: int | None = None, dashboard: bool = True, **kwargs):
-    """Start an embedded Ray bound to loopback only: node address and dashboard on 127.0.0.1, so
-    no Ray traffic leaves the machine."""
+    """Start an embedded single-node Ray with its dashboard on loopback. (Ray itself always uses
+    this machine's own address for its node, even when asked for 127.0.0.1; nothing leaves the
+    machine.)"""
     return ray.init(
+        address="local",  # always a new instance, never a cluster some `ray start` left recorded
         num_cpus=num_cpus,
         namespace=NAMESPACE,
         include_dashboard=dashboard,
         dashboard_host="127.0.0.1",
-        _node_ip_address="127.0.0.1",
         log_to_driver=False,
         **kwargs,
     )

@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from actors import NAMESPACE, JobHandle, init_local_ray, start_job
+from actors import JobHandle, connect_ray, init_local_ray, start_job
 from actors.coordinator import TERMINAL, cluster_fit
 from hpservice.spec import parse_job
 
@@ -145,7 +145,7 @@ def connect(address: str | None) -> str | None:
     if ray.is_initialized():
         return None
     if address:
-        ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        ctx = connect_ray(address)
     else:
         ctx = init_local_ray()
     url = getattr(ctx, "dashboard_url", None)

@@ -14,13 +14,11 @@ EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 
 def connect_ray(address: str | None, cpus_needed: float) -> None:
     """Join ``address`` (or RAY_ADDRESS), or start a local Ray with its dashboard on loopback."""
-    import ray
-
-    from actors import NAMESPACE, init_local_ray
+    from actors import connect_ray, init_local_ray
 
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        connect_ray(address)
         return
     # A laptop job may ask for more CPU slots than cores: workers then share them.
     init_local_ray(num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)))

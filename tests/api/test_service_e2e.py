@@ -1,0 +1,233 @@
+"""The whole service on loopback: a Ray head, `hpservice serve` as its own process, real jobs.
+
+The Ray head and the API server are processes this test starts (each in its own session) and
+stops by process group; nothing else on the machine is touched.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hpservice.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+# Ray's token authentication (its default for `ray start`): the API process presents the same token.
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
+TOKENS = {"t-alice": {"owner": "alice"}, "t-bob": {"owner": "bob"}, "t-ops": {"owner": "ops", "admin": True}}
+
+
+def _spec(tmp, name, steps, workers=2):
+    return {
+        "name": name,
+        "model": {"name": "llama", "flavor": "tiny"},
+        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
+        "training": {"steps": steps},
+        "optimizer": {"lr": 3.0e-3},
+        "resources": {"workers": workers, "use_gpu": False},
+        "checkpoint": {"dir": str(tmp / name / "ckpt")},
+        "metrics": {"dir": str(tmp / "metrics"), "log_every": 50},
+    }
+
+
+def _wait_port(port, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port}")
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=15)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+    proc.wait(timeout=15)
+
+
+class Server:
+    def __init__(self, tmp, ray_address):
+        self.tmp, self.ray_address, self.port = tmp, ray_address, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (tmp / "tokens.yaml").write_text(json.dumps(TOKENS))
+        self.proc = None
+
+    def start(self):
+        cmd = [sys.executable, "-m", "hpservice", "serve", "--port", str(self.port), "--data-dir", str(self.tmp / "data"),
+               "--ray-address", self.ray_address, "--tokens-file", str(self.tmp / "tokens.yaml")]  # fmt: skip
+        log = open(self.tmp / f"server-{time.time():.0f}.log", "w")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.tmp, env=RAY_ENV
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, (self.tmp / "data").exists()
+            time.sleep(0.5)
+        raise TimeoutError("hpservice serve did not become ready")
+
+    def kill(self):
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("service")
+    port = free_port()
+    ray_log = open(tmp / "ray.log", "w")  # noqa: SIM115 - lives as long as the process
+    head = subprocess.Popen(
+        ["ray", "start", "--head", f"--port={port}", "--num-cpus=4",
+         "--include-dashboard=false", "--disable-usage-stats", "--block"],
+        stdout=ray_log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp, env=RAY_ENV,
+    )  # fmt: skip
+    try:
+        _wait_port(port)
+        server = Server(tmp, f"127.0.0.1:{port}")
+        server.start()
+        yield server
+        _stop(server.proc)
+    finally:
+        _stop(head)
+
+
+def _client(server, token="t-alice"):
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+def _events(server, job_id, token="t-alice"):
+    """Follow the SSE stream to its end; returns [(id, event, data)]."""
+    out = []
+    with _client(server, token) as c, c.stream("GET", f"/v1/jobs/{job_id}/events", timeout=300) as r:
+        assert r.status_code == 200
+        block = {}
+        for line in r.iter_lines():
+            if not line:
+                if block:
+                    out.append((int(block["id"]), block["event"], json.loads(block["data"])))
+                block = {}
+            elif not line.startswith(":"):
+                key, _, value = line.partition(": ")
+                block[key] = value
+    return out
+
+
+def _wait(server, job_id, states, timeout=300, token="t-alice"):
+    deadline = time.time() + timeout
+    with _client(server, token) as c:
+        while time.time() < deadline:
+            job = c.get(f"/v1/jobs/{job_id}").json()
+            if job["state"] in states:
+                return job
+            time.sleep(0.5)
+    raise TimeoutError(f"{job_id} still {job['state']}")
+
+
+def test_submit_over_http_and_stream_until_succeeded(service, tmp_path):
+    with _client(service) as c:
+        job = c.post("/v1/jobs", json=_spec(tmp_path, "http", steps=6)).json()
+    events = _events(service, job["id"])
+    assert [e[0] for e in events] == list(range(1, len(events) + 1))  # ordered, no gaps
+    assert events[-1][1] == "state" and events[-1][2]["state"] == "SUCCEEDED"
+    assert [d["step"] for _, kind, d in events if kind == "metrics"] == [1, 2, 3, 4, 5, 6]
+    states = [d["state"] for _, kind, d in events if kind == "state"]
+    assert states[0] == "QUEUED" and "RUNNING" in states
+    with _client(service) as c:
+        records = c.get(f"/v1/jobs/{job['id']}/metrics").json()["records"]
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+        resumed = _events(service, job["id"])[3:]  # a reconnecting client resumes where it left off
+        with c.stream("GET", f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": str(resumed[0][0] - 1)}) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("id:"))
+        assert first == f"id: {resumed[0][0]}"
+
+
+def test_submit_with_the_cli_and_watch(service, tmp_path):
+    env = {**os.environ, "HPSERVICE_URL": service.url, "HPSERVICE_TOKEN": "t-alice"}
+    cmd = [sys.executable, "-m", "hpservice", "submit", str(ROOT / "examples" / "tiny-cpu.yaml"), "--watch",
+           "--set", "training.steps=3", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"metrics.dir={tmp_path}"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    listed = subprocess.run(
+        [sys.executable, "-m", "hpservice", "list", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert any(j["name"] == "tiny-cpu" and j["state"] == "SUCCEEDED" for j in json.loads(listed.stdout)["items"])
+
+
+def test_api_restart_mid_job_loses_nothing(service, tmp_path):
+    with _client(service) as c:
+        job = c.post("/v1/jobs", json=_spec(tmp_path, "restart", steps=300)).json()
+        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 20:
+            time.sleep(0.2)
+    service.kill()  # the API dies; the detached coordinator and workers go on
+    time.sleep(2)
+    service.start()
+    done = _wait(service, job["id"], ("SUCCEEDED", "FAILED"))
+    assert done["state"] == "SUCCEEDED", done
+    with _client(service) as c:
+        steps = [r["step"] for r in c.get(f"/v1/jobs/{job['id']}/metrics").json()["records"]]
+    assert steps == list(range(1, 301))  # back-filled: no gap
+
+
+def test_cancel_and_auth(service, tmp_path):
+    with _client(service) as c:
+        job = c.post("/v1/jobs", json=_spec(tmp_path, "cancel", steps=100000)).json()
+        assert httpx.get(f"{service.url}/v1/jobs/{job['id']}").status_code == 401
+        with _client(service, "t-bob") as bob:
+            assert bob.get(f"/v1/jobs/{job['id']}").status_code == 404
+            assert bob.post(f"/v1/jobs/{job['id']}/cancel").status_code == 404
+        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 2:
+            time.sleep(0.2)
+        assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+    done = _wait(service, job["id"], ("CANCELLED", "FAILED", "SUCCEEDED"), timeout=120)
+    assert done["state"] == "CANCELLED", done
+
+
+def test_fifty_concurrent_submissions_are_all_stored(service, tmp_path):
+    results, errors = [], []
+
+    def submit(i):
+        try:
+            with _client(service) as c:
+                r = c.post(
+                    "/v1/jobs", json=_spec(tmp_path, "burst", steps=2, workers=1), headers={"Idempotency-Key": f"b{i}"}
+                )
+                results.append((r.status_code, r.json()["id"]))
+        except Exception as e:  # recorded, asserted below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(results) == 50 and {s for s, _ in results} == {201}
+    ids = {job_id for _, job_id in results}
+    assert len(ids) == 50
+    with _client(service, "t-ops") as ops:
+        stored = {
+            j["id"]: j["state"] for j in ops.get("/v1/jobs", params={"name": "burst", "limit": 100}).json()["items"]
+        }
+        assert set(stored) == ids  # none lost
+        assert set(stored.values()) <= {"QUEUED", "STARTING", "RUNNING", "SUCCEEDED"}
+        for job_id in ids:
+            ops.post(f"/v1/jobs/{job_id}/cancel")
+    for job_id in ids:
+        _wait(service, job_id, ("CANCELLED", "SUCCEEDED", "FAILED"), timeout=120, token="t-ops")
