@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import fsdp, redistribute
+from hpservice.bench import fsdp, redistribute, service
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hpservice.bench", description="Benchmarks of hpservice against torch on local gloo ranks."
+        prog="python -m hpservice.bench",
+        description="Benchmarks of hpservice against torch (local gloo ranks) and Ray Train (local Ray).",
     )
     sub = parser.add_subparsers(dest="benchmark", required=True)
     redistribute.add_parser(sub)
     fsdp.add_parser(sub)
+    service.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -43,11 +43,26 @@ def _torchrun_equivalent(spec):
 
 
 def _leftovers(job_id):
-    actors = [
-        a.name for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.name and a.name.startswith(f"hp:{job_id}:")
+    # The state API must be told which cluster: its default is whatever `ray start` last recorded.
+    address = ray.get_runtime_context().gcs_address
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")])
+    actors = [a.name for a in alive if a.name and a.name.startswith(f"hp:{job_id}:")]
+    groups = [
+        g.name for g in list_placement_groups(address=address) if g.name == f"hp:{job_id}" and g.state != "REMOVED"
     ]
-    groups = [g.name for g in list_placement_groups() if g.name == f"hp:{job_id}" and g.state != "REMOVED"]
     return actors, groups
+
+
+def _wait_step(handle, step, timeout=180):
+    """Until the job has done ``step`` steps; fails (never hangs) if it ends or stalls first."""
+    deadline = time.time() + timeout
+    while True:
+        status = handle.status()
+        if status["step"] >= step:
+            return status
+        assert status["state"] not in ("FAILED", "SUCCEEDED", "CANCELLED"), status
+        assert time.time() < deadline, f"no step {step} after {timeout} s: {status}"
+        time.sleep(0.2)
 
 
 def _finish(handle):
@@ -80,9 +95,7 @@ def test_hsdp_job_succeeds_with_torchrun_losses_and_keeps_every_metric(cluster, 
 def test_killed_worker_restarts_from_checkpoint(cluster, ranks, tmp_path):
     spec = _spec(tmp_path, "kill", training={"steps": 24}, checkpoint={"interval": 4}, failure={"max_restarts": 2})
     handle = start_job(spec)
-    while handle.status()["step"] < 6:
-        assert handle.status()["state"] not in ("FAILED", "SUCCEEDED")
-        time.sleep(0.2)
+    _wait_step(handle, 6)
     worker = ray.get_actor(worker_name(handle.job_id, 1), namespace=NAMESPACE)
     pid = ray.get(worker.address.remote())[2]
     os.kill(pid, signal.SIGKILL)
@@ -125,8 +138,7 @@ def test_hang_is_detected_within_the_timeout(cluster, tmp_path):
         tmp_path, "hang", model=model, data={"vocab_size": 16}, training={"steps": 50}, failure={"step_timeout_s": 4}
     )
     handle = start_job(spec)
-    while handle.status()["step"] < 2:
-        time.sleep(0.2)
+    _wait_step(handle, 2)
     hung_at = time.time()
     status = handle.wait(timeout=120)
     assert status["state"] == "FAILED" and "hang: no progress" in status["message"], status
@@ -149,8 +161,7 @@ def test_infeasible_job_fails_fast_with_its_reason(cluster, tmp_path):
 def test_cancel_is_graceful_and_leaves_nothing(cluster, tmp_path):
     spec = _spec(tmp_path, "cancel", training={"steps": 10000}, checkpoint={"interval": 1000})
     handle = start_job(spec)
-    while handle.status()["step"] < 3:
-        time.sleep(0.2)
+    _wait_step(handle, 3)
     handle.stop(graceful=True, deadline_s=60)
     status = handle.wait(timeout=120)
     assert status["state"] == "CANCELLED" and "stopped gracefully" in status["message"], status

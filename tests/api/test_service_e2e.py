@@ -130,6 +130,18 @@ def _events(server, job_id, token="t-alice"):
     return out
 
 
+def _wait_step(c, job_id, step, timeout=180):
+    """Until the job has done ``step`` steps; fails (never hangs) if it ends or stalls first."""
+    deadline = time.time() + timeout
+    while True:
+        job = c.get(f"/v1/jobs/{job_id}").json()
+        if job["step"] >= step:
+            return job
+        assert job["state"] not in ("FAILED", "SUCCEEDED", "CANCELLED"), job
+        assert time.time() < deadline, f"no step {step} after {timeout} s: {job}"
+        time.sleep(0.2)
+
+
 def _wait(server, job_id, states, timeout=300, token="t-alice"):
     deadline = time.time() + timeout
     with _client(server, token) as c:
@@ -174,8 +186,7 @@ def test_submit_with_the_cli_and_watch(service, tmp_path):
 def test_api_restart_mid_job_loses_nothing(service, tmp_path):
     with _client(service) as c:
         job = c.post("/v1/jobs", json=_spec(tmp_path, "restart", steps=300)).json()
-        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 20:
-            time.sleep(0.2)
+        _wait_step(c, job["id"], 20)
     service.kill()  # the API dies; the detached coordinator and workers go on
     time.sleep(2)
     service.start()
@@ -193,8 +204,7 @@ def test_cancel_and_auth(service, tmp_path):
         with _client(service, "t-bob") as bob:
             assert bob.get(f"/v1/jobs/{job['id']}").status_code == 404
             assert bob.post(f"/v1/jobs/{job['id']}/cancel").status_code == 404
-        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 2:
-            time.sleep(0.2)
+        _wait_step(c, job["id"], 2)
         assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
     done = _wait(service, job["id"], ("CANCELLED", "FAILED", "SUCCEEDED"), timeout=120)
     assert done["state"] == "CANCELLED", done
