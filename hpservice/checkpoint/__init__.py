@@ -4,6 +4,10 @@ manager = CheckpointManager("ckpt", keep=3, async_save=True)
 manager.save(step, model, optimizer, extra={"step": step})
 extra = manager.load(model, optimizer)           # any world size / mesh
 export_safetensors(manager.latest()["path"], "model.safetensors")
+
+The root is a local directory (a path or a ``file://`` URL) or any fsspec URL, e.g.
+``CheckpointManager("s3://bucket/run")`` (object stores commit by writing the manifest last;
+see ``_storage``).
 """
 
 from ._export import export_safetensors, load_full_state_dict

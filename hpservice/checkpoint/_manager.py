@@ -12,6 +12,12 @@ Commit protocol: every rank writes into ``step-N.tmp/``; a barrier; rank 0 write
 then renames the directory to ``step-N/`` (one atomic rename); a barrier. A checkpoint without a
 manifest does not exist, so a crash at any moment leaves the previous checkpoint as ``latest()``.
 
+Storage: ``root`` is a local directory (a path or a ``file://`` URL; a mounted shared volume
+counts) with the layout above, or an fsspec URL (``s3://bucket/prefix``, ``gs://...``,
+``memory://...``). Object stores have no atomic rename: there, every rank writes straight into
+``step-N/`` and rank 0 writes the manifest last, so "committed iff the manifest exists" holds
+unchanged (``_storage`` describes that protocol). ``CheckpointInfo["path"]`` is then a URL.
+
 Async save: the state is copied to CPU ("staged") on the caller's thread, then a background
 thread writes and commits it while training continues. It communicates over a gloo group of its
 own, so its collectives never interleave with training's. The next ``save`` (and ``wait`` /
@@ -41,6 +47,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from hpservice.dtensor import DTensor
 
 from ._state import load_optimizer_state_dict, optimizer_load_targets, optimizer_state_dict
+from ._storage import FsspecStorage, is_remote, local_path
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
@@ -103,7 +110,9 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager(keep): expected an int >= 1, got {keep!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"CheckpointManager(best_mode): expected 'min' or 'max', got {best_mode!r}")
-        self.root = Path(root)
+        # fsspec for object stores (and other non-local URLs); None: the local directory self.root
+        self._remote = FsspecStorage(str(root)) if is_remote(root) else None
+        self.root = self._remote.url if self._remote is not None else local_path(root)
         self.keep = keep
         self.async_save = async_save
         self.best_metric, self.best_mode = best_metric, best_mode
@@ -112,7 +121,8 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._before_commit = None  # test hook: called on every rank between shard files and manifest
         if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if self._remote is None:
+                self.root.mkdir(parents=True, exist_ok=True)
             self._remove_incomplete()
         self._barrier()
 
@@ -120,18 +130,23 @@ class CheckpointManager:
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first."""
         out = []
-        if not self.root.is_dir():
+        if self._remote is not None:
+            found = [(self._remote.location(name), data) for name, data in self._remote.committed()]
+        elif not self.root.is_dir():
             return out
-        for entry in self.root.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            manifest = entry / MANIFEST
-            if not m or not manifest.is_file():
-                continue
-            data = json.loads(manifest.read_text())
+        else:
+            found = []
+            for entry in self.root.iterdir():
+                m = _STEP_DIR.match(entry.name)
+                manifest = entry / MANIFEST
+                if not m or not manifest.is_file():
+                    continue
+                found.append((str(entry), json.loads(manifest.read_text())))
+        for path, data in found:
             out.append(
                 CheckpointInfo(
                     step=data["step"],
-                    path=str(entry),
+                    path=path,
                     time=data["time"],
                     size=sum(f["size"] for f in data["files"]),
                     metrics=data.get("metrics", {}),
@@ -180,6 +195,8 @@ class CheckpointManager:
                 self._executor.shutdown(wait=True)
 
     def _write_and_commit(self, step: int, state: dict, extra: dict, metrics: dict) -> None:
+        if self._remote is not None:
+            return self._write_and_commit_remote(step, state, extra, metrics)
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f"step-{step:08d}.tmp"
         if _rank() == 0:
@@ -214,6 +231,35 @@ class CheckpointManager:
             self._prune()
         self._barrier()
 
+    def _write_and_commit_remote(self, step: int, state: dict, extra: dict, metrics: dict) -> None:
+        """The object-store protocol: write under ``step-N/``, the manifest last (see ``_storage``)."""
+        name = f"step-{step:08d}"
+        if _rank() == 0:
+            self._remove_incomplete()
+            self._remote.begin(name)
+        self._barrier()
+        with single_process_quiet(self._group is None):
+            dcp.save(
+                state, storage_writer=self._remote.writer(name), process_group=self._group, no_dist=self._group is None
+            )
+        self._remote.save_extra(name, _rank(), extra)
+        self._barrier()  # every rank's files are complete
+        if self._before_commit is not None:
+            self._before_commit()
+        if _rank() == 0:
+            self._remote.commit(
+                name,
+                {
+                    "format": FORMAT_VERSION,
+                    "step": step,
+                    "time": time.time(),
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "metrics": metrics,
+                },
+            )
+            self._prune()
+        self._barrier()
+
     def _prune(self) -> None:
         checkpoints = self.list()
         keep = {c["step"] for c in checkpoints[-self.keep :]}
@@ -224,9 +270,14 @@ class CheckpointManager:
                 keep.add(pick(scored, key=lambda c: c["metrics"][self.best_metric])["step"])
         for c in checkpoints:
             if c["step"] not in keep:
-                shutil.rmtree(c["path"], ignore_errors=True)
+                if self._remote is not None:
+                    self._remote.remove(self._remote.name_of(c["path"]))
+                else:
+                    shutil.rmtree(c["path"], ignore_errors=True)
 
     def _remove_incomplete(self) -> None:
+        if self._remote is not None:
+            return self._remote.remove_incomplete()
         for entry in self.root.iterdir():
             ours = entry.is_dir() and _STEP_DIR.match(entry.name.removesuffix(".tmp"))
             if ours and (entry.name.endswith(".tmp") or not (entry / MANIFEST).exists()):
@@ -237,16 +288,23 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
     # ---- load -----------------------------------------------------------------------------
-    def resolve(self, step: int | str = "latest") -> Path:
+    def resolve(self, step: int | str = "latest") -> Path | str:
+        """The committed checkpoint's directory (its URL for a remote root)."""
         if step == "latest":
             info = self.latest()
             if info is None:
                 raise CheckpointError(f"no committed checkpoint under {self.root}")
-            return Path(info["path"])
+            return info["path"] if self._remote is not None else Path(info["path"])
         if isinstance(step, bool) or not isinstance(step, int):
             raise CheckpointError(f"step must be an int or 'latest', got {step!r}")
-        path = self.root / f"step-{step:08d}"
-        if not (path / MANIFEST).is_file():
+        if self._remote is not None:
+            name = f"step-{step:08d}"
+            committed = self._remote.manifest(name) is not None
+            path = self._remote.location(name)
+        else:
+            path = self.root / f"step-{step:08d}"
+            committed = (path / MANIFEST).is_file()
+        if not committed:
             available = [c["step"] for c in self.list()]
             raise CheckpointError(f"no committed checkpoint for step {step} under {self.root} (available: {available})")
         return path
@@ -257,8 +315,13 @@ class CheckpointManager:
         """Load into ``model`` (and ``optimizer``), resharding as needed; return this rank's ``extra``."""
         self.wait()
         path = self.resolve(step)
-        verify_files(path)
-        metadata = FileSystemReader(str(path)).read_metadata()
+        if self._remote is not None:
+            name = self._remote.name_of(path)
+            self._remote.verify(name)
+            metadata = self._remote.reader(name).read_metadata()
+        else:
+            verify_files(path)
+            metadata = FileSystemReader(str(path)).read_metadata()
         saved = {tuple(v): metadata.state_dict_metadata[k] for k, v in metadata.planner_data.items()}
         state: dict[str, Any] = {"model": model.state_dict()}
         check_shapes(saved, state["model"], "model")
@@ -266,10 +329,15 @@ class CheckpointManager:
             if not any(k[0] == "optim" for k in saved):
                 raise CheckpointError(f"{path} holds no optimizer state")
             state["optim"] = optimizer_load_targets(model, {k: v for k, v in saved.items() if k[0] == "optim"})
+        where = (
+            {"storage_reader": self._remote.reader(name)} if self._remote is not None else {"checkpoint_id": str(path)}
+        )
         with single_process_quiet(self._group is None):
-            dcp.load(state, checkpoint_id=str(path), process_group=self._group, no_dist=self._group is None)
+            dcp.load(state, **where, process_group=self._group, no_dist=self._group is None)
         if optimizer is not None:
             load_optimizer_state_dict(model, optimizer, state["optim"])
+        if self._remote is not None:
+            return self._remote.load_extra(name, _rank())
         extra_dir = path / "extra"
         mine = extra_dir / f"rank-{_rank()}.pt"
         return torch.load(mine if mine.exists() else extra_dir / "rank-0.pt", weights_only=False)

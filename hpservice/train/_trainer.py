@@ -192,9 +192,13 @@ class Trainer:
                 return
             extra = self.checkpoints.load(self.model, self.optimizer)
         else:
-            path = Path(resume_from)
-            manager = CheckpointManager(path.parent)
-            extra = manager.load(self.model, self.optimizer, step=int(path.name.removeprefix("step-")))
+            root, _, name = resume_from.rstrip("/").rpartition("/")  # a path or a URL: .../step-N
+            if not name.startswith("step-") or not name.removeprefix("step-").isdigit():
+                raise TrainingError(
+                    f"checkpoint.resume_from: expected 'latest' or a .../step-N directory, got {resume_from!r}"
+                )
+            manager = CheckpointManager(root or ".")
+            extra = manager.load(self.model, self.optimizer, step=int(name.removeprefix("step-")))
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
@@ -217,8 +221,8 @@ class Trainer:
     def _report_committed(self) -> None:
         if self.rank == 0 and self.on_checkpoint is not None:
             for info in self._uncommitted:
-                path = Path(self.spec.checkpoint.dir) / f"step-{info['step']:08d}"
-                self.on_checkpoint({**info, "path": str(path)})
+                path = f"{self.spec.checkpoint.dir.rstrip('/')}/step-{info['step']:08d}"  # a path or a URL
+                self.on_checkpoint({**info, "path": path})
         self._uncommitted.clear()
 
     def request_stop(self) -> None:
