@@ -129,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"wrote {len(shapes)} tensors to {args.out}")
         return 0
-    parser.error(f"unknown command {args.command}")
-    return EXIT_USAGE
-    return 2
+    parser.error(f"unknown command {args.command}")  # exits with status 2
 
 
 # -- service commands (talk to the REST control plane through hpservice.client) -------------------
