@@ -470,18 +470,12 @@ def _watch(client, job_id: str, as_json: bool) -> int:
 
 
 def _watch_progress(client, job: dict, console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.text import Text
 
-    columns = [
-        TextColumn("[bold]{task.fields[state]:<10}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  restarts {task.fields[restarts]}"),
-        TimeRemainingColumn(),
-    ]
+    from hpservice._progress import job_progress
+
     last: dict = {}
-    with Progress(*columns, console=console, transient=False) as progress:
+    with job_progress(console) as progress:
         task = progress.add_task(
             "watch",
             total=job.get("total_steps") or None,

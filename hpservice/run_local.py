@@ -7,7 +7,8 @@ import os
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from hpservice._progress import job_progress
 
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 
@@ -35,15 +36,8 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
     handle = start_job(spec)
     console.print(f"job [bold]{handle.job_id}[/]: {spec.resources.workers} workers, {spec.training.steps} steps")
     last_step, last, interrupts = 0, None, 0
-    columns = [
-        TextColumn("[bold]{task.fields[state]:<10}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  restarts {task.fields[restarts]}"),
-        TimeRemainingColumn(),
-    ]
     try:
-        with Progress(*columns, console=console, transient=False) as progress:
+        with job_progress(console) as progress:
             task = progress.add_task("train", total=spec.training.steps, state="QUEUED", loss="-", tps="-", restarts=0)
             while True:
                 try:
