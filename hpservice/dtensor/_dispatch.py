@@ -1,13 +1,21 @@
 """Operator dispatch for DTensor: run supported aten ops on the local tensors.
 
-Supported here (tensor-parallel sharding rules come in a later issue):
+Supported here:
 - pointwise ops (``torch.Tag.pointwise``), their in-place forms and ``copy_``/``zero_``/``fill_``/
-  ``_to_copy``: all DTensor operands must share mesh, placements and global shape (fully
-  replicated operands may broadcast); plain-tensor operands must be scalars (0-d);
+  ``_to_copy``: the fast path needs every DTensor operand to share mesh, placements and global
+  shape (fully replicated operands may broadcast); plain-tensor operands must be scalars (0-d).
+  Operands of different shapes (broadcasting) or a Partial operand next to a non-Partial one go
+  through the ``pointwise_decision`` rule (``_ops``); same-shape operands with different
+  non-Partial placements still raise (redistribute one of them explicitly);
 - ``_foreach_*`` forms of those ops, element by element, so ``torch.optim`` works with foreach;
 - ``detach``/``alias``, ``*_like`` factories, ``is_same_size``, ``item`` of replicated tensors;
 - random ops (``uniform_``, ``normal_``, ``bernoulli_``, ``native_dropout``...) through the RNG
-  tracker in ``random.py``.
+  tracker in ``random.py``;
+- ops with a sharding rule in ``_ops.RULES`` (mm/addmm/bmm, t/transpose/permute, view/
+  _unsafe_view/expand/unsqueeze/squeeze, sum/mean): the rule picks target input specs and the
+  output spec (cached); operands that differ are redistributed into new DTensors (never in place)
+  before the op runs on the local tensors;
+- any op whose DTensor operands are all fully replicated.
 
 Partial placements only allow ops that commute with the pending reduction (add/sub of two
 Partial operands, scaling by a scalar, negation, copies); anything else would silently give a
@@ -21,8 +29,10 @@ import functools
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._api import DTensor
+from ._api import DTensor, _redistribute
 from ._layout import DTensorSpec
+from ._ops import RULES, decide, pointwise_decision
+from ._ops._rules import RuleError
 
 aten = torch.ops.aten
 
@@ -98,7 +108,55 @@ def dispatch(func, args: tuple, kwargs: dict):
     dts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
     if dts and all(d._spec.is_replicated() and d._spec.mesh == dts[0]._spec.mesh for d in dts):
         return _replicated(func, args, kwargs, dts[0]._spec)
+    if dts and func in RULES:
+        return _run_rule(func, args, kwargs, dts)
     raise _unsupported(func, dts, "this operator has no sharding rule yet")
+
+
+def _freeze(x):
+    """A hashable stand-in for an argument: DTensor -> its spec, lists -> tuples."""
+    if isinstance(x, DTensor):
+        return x._spec
+    if isinstance(x, list | tuple):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype)
+    return x
+
+
+def _run_rule(func, args: tuple, kwargs: dict, dts):
+    """Redistribute operands to the rule's target specs (new DTensors; the operands are never
+    written), run ``func`` on the local tensors and wrap the result in the rule's output spec."""
+    frozen_args = _freeze(args)
+    frozen_kwargs = tuple(sorted((k, _freeze(v)) for k, v in kwargs.items()))
+    try:
+        try:
+            decision = decide(func, frozen_args, frozen_kwargs)
+        except TypeError:  # an unhashable argument: decide without the cache
+            decision = decide.__wrapped__(func, frozen_args, frozen_kwargs)
+    except RuleError as e:
+        raise _unsupported(func, dts, str(e)) from None
+    local_args = list(args)
+    j = 0
+    for i, a in enumerate(args):
+        if isinstance(a, DTensor):
+            target = decision.targets[j]
+            j += 1
+            if a._spec is not target and a._spec != target:
+                a = _redistribute(a, target, False)
+            local_args[i] = a._wait_local()
+        elif isinstance(a, torch.Tensor) and a.ndim > 0:
+            raise RuntimeError(
+                f"hpservice.dtensor: {func} mixes a DTensor with a torch.Tensor of shape {tuple(a.shape)}; "
+                "wrap it with DTensor.from_local or distribute_tensor first"
+            )
+    if decision.local_shape_arg is not None:
+        local_args[decision.local_shape_arg] = list(decision.out.local_shape)
+    if decision.local_fn is not None:
+        out = decision.local_fn(func, tuple(local_args), kwargs)
+    else:
+        out = func(*local_args, **kwargs)
+    return DTensor(out, decision.out, requires_grad=False)
 
 
 def _replicated(func, args: tuple, kwargs: dict, spec: DTensorSpec):
@@ -218,6 +276,8 @@ def _pointwise_general(func, args: tuple, kwargs: dict):
             s = a._spec
             if s is not spec and not (_is_scalar(a) and a._spec.mesh == spec.mesh):
                 if not _compatible(s, spec):
+                    if s.shape != spec.shape or s.has_partial() or spec.has_partial():
+                        return _pointwise_redistribute(func, args, kwargs)
                     raise _unsupported(
                         func, [*dts, a], "operands need identical placements and shapes; redistribute one of them first"
                     )
@@ -238,6 +298,34 @@ def _pointwise_general(func, args: tuple, kwargs: dict):
     if _is_mutable(func) and args and isinstance(args[0], DTensor):
         return args[0]
     return _wrap(out, spec)
+
+
+def _pointwise_redistribute(func, args: tuple, kwargs: dict):
+    """Broadcasting between different layouts (``out[B, S, O] S(2) + bias[O]``), or a Partial
+    operand with a non-Partial one: the ``pointwise_decision`` rule picks the layouts."""
+    flat, tree = tree_flatten((args, kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
+    tensors = [flat[i] for i in positions]
+    mutable = _is_mutable(func) and bool(args) and isinstance(args[0], DTensor)
+    try:
+        decision = pointwise_decision(func, tuple(t._spec for t in tensors), mutable)
+    except RuleError as e:
+        raise _unsupported(func, tensors, str(e)) from None
+    for a in flat:
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
+            raise RuntimeError(
+                f"hpservice.dtensor: {func} mixes a DTensor with a torch.Tensor of shape {tuple(a.shape)}; "
+                "wrap it with DTensor.from_local or distribute_tensor first (0-d tensors are allowed as scalars)"
+            )
+    for i, t, target in zip(positions, tensors, decision.targets, strict=True):
+        if t._spec is not target and t._spec != target:
+            t = _redistribute(t, target, False)
+        flat[i] = t._wait_local()
+    local_args, local_kwargs = tree_unflatten(flat, tree)
+    out = func(*local_args, **local_kwargs)
+    if mutable:
+        return args[0]
+    return _wrap(out, decision.out)
 
 
 def _compatible(a: DTensorSpec, b: DTensorSpec) -> bool:

@@ -157,8 +157,9 @@ def _check_clear_errors():
         NotImplementedError, match=r"aten.add.Tensor on DTensor placements \[\(S\(0\), R\), \(R, S\(1\)\)\]"
     ):
         a + b
-    with pytest.raises(NotImplementedError, match=r"aten.mm.default .* no sharding rule yet"):
-        a @ b
+    with pytest.raises(NotImplementedError, match=r"aten.cumsum.default .* no sharding rule yet"):
+        torch.cumsum(a, 0)
+    assert torch.allclose((a @ b).full_tensor(), a.full_tensor() @ b.full_tensor())  # mm has a sharding rule
     with pytest.raises(RuntimeError, match=r"mixes a DTensor with a torch.Tensor of shape \(4, 4\)"):
         a + torch.ones(4, 4)
     p = DTensor.from_local(torch.ones(4, 4), mesh, [Partial(), Partial()])

@@ -1,0 +1,12 @@
+"""Tensor parallelism on ``hpservice.dtensor`` (same names and semantics as
+``torch.distributed.tensor.parallel`` where they overlap)::
+
+    from hpservice.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+"""
+
+from .api import parallelize_module
+from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "parallelize_module"]

@@ -1,0 +1,107 @@
+"""Parallel styles: how one module's parameters, inputs and outputs are laid out on a 1-d mesh.
+
+``ColwiseParallel`` (``nn.Linear``): weight ``Shard(0)``, bias ``Shard(0)``; input expected
+``Replicate``; output ``Shard(-1)``. ``RowwiseParallel``: weight ``Shard(1)``, bias ``Replicate``;
+input expected ``Shard(-1)``; output ``Replicate`` (the Partial product is reduced once, the bias
+is added once). With ``use_local_output=True`` the output is the local ``torch.Tensor``, so plain
+modules (an activation) can sit between a colwise and a rowwise layer.
+
+Parameters are sliced locally (``distribute_tensor(..., src_data_rank=None)``): no communication,
+so every rank must hold the same initial weights (seed the init identically).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
+
+__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel"]
+
+
+class ParallelStyle:
+    """Base class: ``_apply(module, mesh)`` parallelizes ``module`` in place and returns it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        raise NotImplementedError
+
+
+def _distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
+    param = getattr(module, name, None)
+    if param is None:
+        return
+    if isinstance(param, DTensor):
+        raise ValueError(f"{type(module).__name__}.{name} is already a DTensor")
+    dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class _LinearStyle(ParallelStyle):
+    _weight: Placement
+    _bias: Placement
+    _desired_input: Placement
+    _default_input: Placement
+    _default_output: Placement
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ):
+        self.input_layouts = input_layouts if input_layouts is not None else self._default_input
+        self.output_layouts = output_layouts if output_layouts is not None else self._default_output
+        self.use_local_output = use_local_output
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports nn.Linear only (got {type(module).__name__}); "
+                "embedding / vocab-parallel styles are not implemented yet"
+            )
+        if device_mesh.ndim != 1:
+            raise ValueError(f"{type(self).__name__}: expected a 1-d mesh, got {device_mesh}")
+        _distribute_param(module, "weight", device_mesh, self._weight)
+        _distribute_param(module, "bias", device_mesh, self._bias)
+        module.register_forward_pre_hook(lambda _m, inputs: self._prepare_input(inputs, device_mesh))
+        module.register_forward_hook(lambda _m, _inputs, out: self._prepare_output(out, device_mesh))
+        return module
+
+    def _prepare_input(self, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            # Without shape= the global size of a sharded dim is gathered: exact for uneven shards.
+            x = DTensor.from_local(x, mesh, [self.input_layouts])
+        x = x.redistribute(mesh, [self._desired_input])
+        return (x, *inputs[1:])
+
+    def _prepare_output(self, out: DTensor, mesh: DeviceMesh):
+        out = out.redistribute(mesh, [self.output_layouts])
+        return out.to_local() if self.use_local_output else out
+
+
+class ColwiseParallel(_LinearStyle):
+    """Shard an ``nn.Linear`` by output features (weight ``Shard(0)``, bias ``Shard(0)``)."""
+
+    _weight = Shard(0)
+    _bias = Shard(0)
+    _desired_input = Replicate()
+    _default_input = Replicate()
+    _default_output = Shard(-1)
+
+
+class RowwiseParallel(_LinearStyle):
+    """Shard an ``nn.Linear`` by input features (weight ``Shard(1)``, bias ``Replicate``)."""
+
+    _weight = Shard(1)
+    _bias = Replicate()
+    _desired_input = Shard(-1)
+    _default_input = Shard(-1)
+    _default_output = Replicate()
