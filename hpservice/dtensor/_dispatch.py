@@ -12,9 +12,10 @@ Supported here:
 - random ops (``uniform_``, ``normal_``, ``bernoulli_``, ``native_dropout``...) through the RNG
   tracker in ``random.py``;
 - ops with a sharding rule in ``_ops.RULES`` (mm/addmm/bmm, t/transpose/permute, view/
-  _unsafe_view/expand/unsqueeze/squeeze, sum/mean): the rule picks target input specs and the
-  output spec (cached); operands that differ are redistributed into new DTensors (never in place)
-  before the op runs on the local tensors;
+  _unsafe_view/expand/unsqueeze/squeeze, sum/mean, embedding, native_layer_norm, _softmax,
+  _log_softmax and their backwards): the rule picks target input specs and the output spec, or
+  one spec per output (cached); operands that differ are redistributed into new DTensors (never
+  in place) before the op runs on the local tensors;
 - any op whose DTensor operands are all fully replicated.
 
 Partial placements only allow ops that commute with the pending reduction (add/sub of two
@@ -156,6 +157,11 @@ def _run_rule(func, args: tuple, kwargs: dict, dts):
         out = decision.local_fn(func, tuple(local_args), kwargs)
     else:
         out = func(*local_args, **kwargs)
+    if isinstance(decision.out, tuple):  # several outputs (native_layer_norm and its backward)
+        return tuple(
+            None if o is None or s is None else DTensor(o, s, requires_grad=False)
+            for o, s in zip(out, decision.out, strict=True)
+        )
     return DTensor(out, decision.out, requires_grad=False)
 
 

@@ -7,6 +7,7 @@
 """
 
 from .api import parallelize_module
+from .loss import vocab_parallel_cross_entropy
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "parallelize_module"]
+__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "parallelize_module", "vocab_parallel_cross_entropy"]

@@ -241,8 +241,8 @@ def _check_styles_options():
     out = lin(x)
     assert isinstance(out, DTensor) and out.placements == (R,)
     torch.testing.assert_close(out.full_tensor(), ref(x))
-    with pytest.raises(NotImplementedError, match=r"nn\.Linear only"):
-        parallelize_module(nn.Embedding(4, 4), mesh, ColwiseParallel())
+    with pytest.raises(NotImplementedError, match=r"nn\.Linear and nn\.Embedding only"):
+        parallelize_module(nn.LayerNorm(4), mesh, ColwiseParallel())
     with pytest.raises(ValueError, match="no submodule matches"):
         parallelize_module(nn.Sequential(nn.Linear(2, 2)), mesh, {"x.*": ColwiseParallel()})
     seq = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))

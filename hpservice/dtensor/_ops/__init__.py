@@ -6,6 +6,7 @@ wraps the result. Rules are pure functions of (op, specs, non-tensor arguments),
 cached (``decide``).
 """
 
+from . import _nn_rules  # noqa: F401  (registers embedding / norm / softmax rules)
 from ._rules import RULES, Decision, decide, pointwise_decision
 
 __all__ = ["RULES", "Decision", "decide", "pointwise_decision"]

@@ -31,7 +31,7 @@ class RuleError(Exception):
 
 class Decision(NamedTuple):
     targets: tuple[DTensorSpec, ...]  # one per DTensor operand, in positional order
-    out: DTensorSpec
+    out: DTensorSpec | tuple[DTensorSpec | None, ...]  # a tuple for ops with several outputs
     local_shape_arg: int | None = None  # positional arg replaced by ``out.local_shape`` (view/expand)
     local_fn: Callable | None = None  # replaces ``func`` on the local tensors
 

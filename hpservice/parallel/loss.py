@@ -1,0 +1,117 @@
+"""Vocab-parallel cross-entropy: the loss of logits sharded on the vocabulary dim, computed from the
+local logits with three all-reduces of ``[N]`` vectors (max, sum of exponentials, target logit);
+the logits are never gathered. The backward is ``softmax - one_hot`` on the local vocabulary slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..dtensor import DTensor
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+def vocab_parallel_cross_entropy(
+    logits: DTensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """``F.cross_entropy(logits.full_tensor().flatten(0, -2), target.flatten(), ...)`` without the gather.
+
+    ``logits``: a DTensor ``[..., V]`` sharded on its last dim (``Shard(-1)``) on some mesh dims and
+    replicated on the others (uneven ``torch.chunk`` vocab pieces are fine); ``target``: a plain
+    LongTensor ``[...]`` with the same value on every rank. Returns a plain tensor (a scalar for
+    ``reduction="mean"``/``"sum"``, ``target``'s shape for ``"none"``), the same on every rank.
+    """
+    if not isinstance(logits, DTensor):
+        raise TypeError(f"vocab_parallel_cross_entropy: logits must be a DTensor, got {type(logits).__name__}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: unknown reduction {reduction!r}")
+    if isinstance(target, DTensor):
+        if not target._spec.is_replicated():
+            raise ValueError("vocab_parallel_cross_entropy: target must be replicated")
+        target = target.to_local()
+    last = logits.ndim - 1
+    for p in logits.placements:
+        if not (p.is_replicate() or (p.is_shard() and p.dim == last)):
+            raise ValueError(
+                f"vocab_parallel_cross_entropy: logits must be Shard(-1) or Replicate on every mesh dim, "
+                f"got {logits.placements}"
+            )
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} != logits shape[:-1] "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    bad = (target != ignore_index) & ((target < 0) | (target >= logits.shape[-1]))
+    if bool(bad.any()):
+        raise IndexError(f"vocab_parallel_cross_entropy: target {int(target[bad][0])} is out of bounds")
+    return _VocabParallelCE.apply(logits, target, ignore_index, reduction)
+
+
+def _groups(logits: DTensor) -> list:
+    mesh = logits._spec.mesh
+    last = logits.ndim - 1
+    return [mesh.get_group(i) for i, p in enumerate(logits.placements) if p.is_shard() and p.dim == last]
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: DTensor, target: torch.Tensor, ignore_index: int, reduction: str):
+        spec = logits._spec
+        groups = _groups(logits)
+        local = logits._wait_local()
+        vocab = local.shape[-1]
+        lo = spec.local_offset[-1]
+        t = target.reshape(-1).to(local.device)
+        n = t.numel()
+        x = local.reshape(n, vocab).float()
+        valid = t != ignore_index
+        if vocab:
+            row_max = x.max(dim=-1).values
+        else:  # an empty vocabulary chunk
+            row_max = x.new_full((n,), float("-inf"))
+        for g in groups:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=g)
+        shifted = x - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        local_t = t - lo
+        mine = valid & (local_t >= 0) & (local_t < vocab)
+        safe_t = torch.where(mine, local_t, torch.zeros_like(local_t))
+        if vocab:
+            picked = shifted.gather(1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        else:
+            picked = x.new_zeros((n,))
+        stats = torch.stack([sum_exp, picked])  # one all-reduce for both sums
+        for g in groups:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=g)
+        sum_exp, picked = stats[0], stats[1]
+        loss = (sum_exp.log() - picked).masked_fill(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), safe_t, mine, valid, count)
+        ctx.spec, ctx.dtype, ctx.reduction, ctx.shape = spec, local.dtype, reduction, tuple(target.shape)
+        if reduction == "mean":
+            out = loss.sum() / count
+        elif reduction == "sum":
+            out = loss.sum()
+        else:
+            out = loss.reshape(target.shape)
+        return out.to(local.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        softmax, safe_t, mine, valid, count = ctx.saved_tensors
+        grad = softmax.clone()
+        if grad.shape[-1]:
+            rows = mine.nonzero().squeeze(-1)
+            grad[rows, safe_t[rows]] -= 1.0
+        grad.masked_fill_(~valid.unsqueeze(-1), 0.0)
+        if ctx.reduction == "mean":
+            grad.mul_(grad_out.float() / count)
+        elif ctx.reduction == "sum":
+            grad.mul_(grad_out.float())
+        else:
+            grad.mul_(grad_out.float().reshape(-1, 1))
+        local = grad.to(ctx.dtype).reshape(ctx.spec.local_shape)
+        return DTensor(local, ctx.spec, requires_grad=False), None, None, None
