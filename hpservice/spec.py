@@ -118,9 +118,15 @@ class ParallelismSpec(_Section):
 
     @field_validator("tp")
     @classmethod
-    def _tp(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("tensor parallelism (tp > 1) is not built yet")
+    def _tp(cls, v: int, info) -> int:
+        # Tensor parallelism alone (a 1-d "tp" mesh); composed with FSDP/HSDP it is not built yet.
+        # dp_shard -1 is checked once the world size is known (``Trainer``'s ``build_mesh``).
+        replicate, shard = info.data.get("dp_replicate", 1), info.data.get("dp_shard", -1)
+        if v > 1 and (replicate > 1 or shard > 1):
+            raise ValueError(
+                f"tensor parallelism with data parallelism (tp > 1 and dp > 1) is not built yet "
+                f"(tp {v}, dp_replicate {replicate}, dp_shard {shard}): set dp_replicate 1 and dp_shard 1"
+            )
         return v
 
     def resolve(self, world_size: int) -> tuple[int, int]:

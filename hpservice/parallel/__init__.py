@@ -8,6 +8,15 @@
 
 from .api import parallelize_module
 from .loss import vocab_parallel_cross_entropy
+from .plans import apply_llama_tp, llama_tp_plan
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel", "parallelize_module", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "RowwiseParallel",
+    "apply_llama_tp",
+    "llama_tp_plan",
+    "parallelize_module",
+    "vocab_parallel_cross_entropy",
+]

@@ -26,11 +26,13 @@ import torch.nn as nn
 
 from hpservice.checkpoint import CheckpointManager
 from hpservice.data import build_source
-from hpservice.dtensor import DeviceMesh, DTensor, init_device_mesh
+from hpservice.dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor, init_device_mesh
 from hpservice.dtensor import random as dtensor_random
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
+from hpservice.models.llama import Llama
+from hpservice.parallel import apply_llama_tp, vocab_parallel_cross_entropy
 from hpservice.spec import JobSpec
 
 log = logging.getLogger("hpservice.train")
@@ -69,7 +71,17 @@ def pick_device(spec: JobSpec) -> torch.device:
 
 
 def build_mesh(spec: JobSpec, device: torch.device) -> DeviceMesh:
+    """A data-parallel mesh ("dp_shard", or "dp_replicate" x "dp_shard"), or with ``tp > 1`` a 1-d
+    "tp" mesh (tensor parallelism alone: the data-parallel size must be 1)."""
     replicate, shard = spec.parallelism.resolve(dist.get_world_size())
+    tp = spec.parallelism.tp
+    if tp > 1:
+        if replicate * shard != 1:
+            raise TrainingError(
+                f"tensor parallelism with data parallelism (tp > 1 and dp > 1) is not built yet "
+                f"(tp {tp}, dp_replicate {replicate}, dp_shard {shard})"
+            )
+        return init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
     if replicate > 1:
         return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
@@ -86,6 +98,51 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
             block, mesh=mesh, reshard_after_forward=p.reshard_after_forward, mp_policy=mp, offload_policy=offload
         )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec, device: torch.device) -> None:
+    """Tensor parallelism on the 1-d "tp" mesh: materialise the meta model on ``device``, initialise
+    it with the DTensor RNG (every parameter a Replicate DTensor for the init, so the values are the
+    ones a data-parallel or single-device run of the same seed gets, and equal on every rank), then
+    apply the built-in Llama's plan (``apply_llama_tp``: slices the parameters locally)."""
+    p = spec.parallelism
+    if not isinstance(model, Llama):
+        raise TrainingError(f"parallelism.tp > 1 supports the built-in llama only, got {type(model).__name__}")
+    if p.mixed_precision != "none" or p.cpu_offload:
+        raise TrainingError("parallelism.tp > 1 with mixed_precision or cpu_offload is not built yet")
+    model.to_empty(device=device)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                dt = distribute_tensor(param.detach(), mesh, [Replicate()], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+    dtensor_random.manual_seed(spec.training.seed)
+    with torch.no_grad():
+        model.init_weights()
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                local = param.detach().to_local().clone()
+                module.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
+    try:
+        apply_llama_tp(model, mesh)
+    except ValueError as e:
+        raise TrainingError(str(e)) from e
+
+
+def _clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for a mix of sharded DTensor and plain (replicated) parameters: the
+    global 2-norm over the full gradients, the same on every rank."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        full = g.full_tensor() if isinstance(g, DTensor) else g
+        total += full.detach().float().pow(2).sum().cpu()
+    total = total.sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return total
 
 
 def build_optimizer(model: nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
@@ -139,13 +196,19 @@ class Trainer:
         self._owns_group = init_distributed(self.device.type)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = build_mesh(spec, self.device)
+        self.tp = spec.parallelism.tp > 1
+        # The data-parallel rank and size of this rank: every tensor-parallel rank sees the same data.
+        self.dp_rank, self.dp_size = (0, 1) if self.tp else (self.rank, self.world)
 
         m = spec.model
         self.model = build_model(m.name, m.flavor, m.overrides, device="meta")
-        apply_fsdp(self.model, self.mesh, spec)
-        dtensor_random.manual_seed(spec.training.seed)
-        with torch.no_grad():
-            self.model.init_weights()  # shard by shard: the full model never exists on one rank
+        if self.tp:
+            apply_tp(self.model, self.mesh, spec, self.device)
+        else:
+            apply_fsdp(self.model, self.mesh, spec)
+            dtensor_random.manual_seed(spec.training.seed)
+            with torch.no_grad():
+                self.model.init_weights()  # shard by shard: the full model never exists on one rank
 
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
@@ -254,13 +317,19 @@ class Trainer:
         spec = self.spec
         start = time.perf_counter()
         accum = spec.training.grad_accum
-        inputs, targets = self.data.batch(self.step, self.rank, self.world, spec.data.global_batch, spec.data.seq_len)
+        inputs, targets = self.data.batch(
+            self.step, self.dp_rank, self.dp_size, spec.data.global_batch, spec.data.seq_len
+        )
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         loss_sum = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
-            self.model.set_requires_gradient_sync(micro == accum - 1)
+            if not self.tp:
+                self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(x)
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
+            if isinstance(logits, DTensor):  # tensor parallelism: logits sharded on the vocabulary
+                loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten()) / accum
+            else:
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
             loss.backward()
             loss_sum += loss.detach()
         loss_value = _global_mean(loss_sum)
@@ -270,7 +339,10 @@ class Trainer:
                 raise TrainingError(f"non-finite loss ({loss_value}) at step {self.step + 1}")
             log.warning("step %d: non-finite loss, step skipped", self.step + 1)
         max_norm = spec.training.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.tp:
+            grad_norm = _clip_grad_norm(self.model.parameters(), max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         lr = self.scheduler.get_last_lr()[0]
         if math.isfinite(loss_value):
