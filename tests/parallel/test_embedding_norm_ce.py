@@ -13,12 +13,10 @@ from torch import nn
 from hpservice.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from hpservice.parallel import ColwiseParallel, RowwiseParallel, parallelize_module, vocab_parallel_cross_entropy
 
+from ._compare import _compare, _randn
+
 R, P = Replicate(), Partial()
 VOCAB, DIM = 37, 16
-
-
-def _randn(*shape, seed=0):
-    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed))
 
 
 def _ids(*shape, seed=0):
@@ -27,30 +25,6 @@ def _ids(*shape, seed=0):
     flat = ids.view(-1)
     flat[: min(flat.numel(), 6)] = torch.tensor([0, 36, 18, 9, 27, 0])[: min(flat.numel(), 6)]
     return ids
-
-
-def _compare(fn, fulls, placements, mesh, atol=1e-5):
-    """fn on DTensors == fn on full tensors, outputs and input gradients; inputs never mutated."""
-    ref_in = [f.clone().requires_grad_(f.is_floating_point()) for f in fulls]
-    ref = fn(*ref_in)
-    w = _randn(*ref.shape, seed=123)
-    (ref * w).sum().backward()
-    dts = [
-        distribute_tensor(f, mesh, p, src_data_rank=None).requires_grad_(f.is_floating_point())
-        for f, p in zip(fulls, placements)
-    ]
-    before = [(d.placements, d.to_local().clone()) for d in dts]
-    out = fn(*dts)
-    assert isinstance(out, DTensor)
-    full = out.full_tensor()
-    assert full.shape == ref.shape
-    torch.testing.assert_close(full, ref, atol=atol, rtol=1e-5)
-    (full * w).sum().backward()
-    for d, r, (pl, local) in zip(dts, ref_in, before):
-        if r.requires_grad:
-            torch.testing.assert_close(d.grad.full_tensor(), r.grad, atol=atol, rtol=1e-5)
-        assert d.placements == pl and torch.equal(d.to_local(), local)  # never mutated
-    return out
 
 
 # ---- embedding ------------------------------------------------------------------------------------
