@@ -19,8 +19,10 @@ Supported here:
 - any op whose DTensor operands are all fully replicated.
 
 Partial placements only allow ops that commute with the pending reduction (add/sub of two
-Partial operands, scaling by a scalar, negation, copies); anything else would silently give a
-wrong global value, so it raises naming the op and the placements.
+Partial operands, scaling by a scalar, negation, copies). A non-linear op on a lone
+Partial(sum/avg) operand (``partial + 1e-6``) raises naming the op and the placements; with
+several DTensor operands (autograd's ``grad / count``) or a Partial(max/min) the Partials are
+reduced to Replicate first.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ def _freeze(x):
 def _run_rule(func, args: tuple, kwargs: dict, dts):
     """Redistribute operands to the rule's target specs (new DTensors; the operands are never
     written), run ``func`` on the local tensors and wrap the result in the rule's output spec."""
+    args = tuple(_list_operands(func, a, dts) if isinstance(a, list | tuple) else a for a in args)
     frozen_args = _freeze(args)
     frozen_kwargs = tuple(sorted((k, _freeze(v)) for k, v in kwargs.items()))
     try:
@@ -137,32 +140,59 @@ def _run_rule(func, args: tuple, kwargs: dict, dts):
             decision = decide.__wrapped__(func, frozen_args, frozen_kwargs)
     except RuleError as e:
         raise _unsupported(func, dts, str(e)) from None
-    local_args = list(args)
-    j = 0
-    for i, a in enumerate(args):
+    targets = iter(decision.targets)
+
+    def local(a):
         if isinstance(a, DTensor):
-            target = decision.targets[j]
-            j += 1
+            target = next(targets)
             if a._spec is not target and a._spec != target:
                 a = _redistribute(a, target, False)
-            local_args[i] = a._wait_local()
-        elif isinstance(a, torch.Tensor) and a.ndim > 0:
+            return a._wait_local()
+        if isinstance(a, torch.Tensor) and a.ndim > 0:
             raise RuntimeError(
                 f"hpservice.dtensor: {func} mixes a DTensor with a torch.Tensor of shape {tuple(a.shape)}; "
                 "wrap it with DTensor.from_local or distribute_tensor first"
             )
+        return a
+
+    local_args = [
+        [local(x) for x in a] if isinstance(a, list | tuple) and any(isinstance(x, DTensor) for x in a) else local(a)
+        for a in args
+    ]
     if decision.local_shape_arg is not None:
         local_args[decision.local_shape_arg] = list(decision.out.local_shape)
     if decision.local_fn is not None:
         out = decision.local_fn(func, tuple(local_args), kwargs)
     else:
         out = func(*local_args, **kwargs)
-    if isinstance(decision.out, tuple):  # several outputs (native_layer_norm and its backward)
-        return tuple(
+    if isinstance(decision.out, tuple):  # several outputs (native_layer_norm, max.dim, split)
+        return type(out)(
             None if o is None or s is None else DTensor(o, s, requires_grad=False)
             for o, s in zip(out, decision.out, strict=True)
         )
     return DTensor(out, decision.out, requires_grad=False)
+
+
+def _list_operands(func, items, dts):
+    """A tensor-list argument holding DTensors (``cat``, ``stack``): plain tensors in it are
+    accepted only when they are all zeros (autograd fills the gradients of unused ``split`` /
+    ``unbind`` outputs with ``torch.zeros``), as Replicate DTensors: every rank holds the same."""
+    if not any(isinstance(x, DTensor) for x in items):
+        return items
+    mesh = dts[0]._spec.mesh
+    out = []
+    for x in items:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            if x.ndim > 0 and x.any():
+                raise RuntimeError(
+                    f"hpservice.dtensor: {func} mixes DTensors with a torch.Tensor of shape {tuple(x.shape)} in a "
+                    "tensor list; wrap it with DTensor.from_local or distribute_tensor first"
+                )
+            from .placement_types import Replicate
+
+            x = DTensor(x, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape)), requires_grad=False)
+        out.append(x)
+    return out
 
 
 def _replicated(func, args: tuple, kwargs: dict, spec: DTensorSpec):
@@ -297,8 +327,14 @@ def _pointwise_general(func, args: tuple, kwargs: dict):
                 f"hpservice.dtensor: {func} mixes a DTensor with a torch.Tensor of shape {tuple(a.shape)}; "
                 "wrap it with DTensor.from_local or distribute_tensor first (0-d tensors are allowed as scalars)"
             )
-    if spec.has_partial():
-        _check_partial(func, dts, flat)
+    if spec.has_partial() and not _partial_ok(func, args, dts):
+        # A Partial(max/min) (from max/amax/min over a sharded dim), or a Partial with another
+        # DTensor operand (autograd's formulas, e.g. grad / count): reduce first, as for operands
+        # of different layouts. A lone Partial(sum/avg) under a non-linear op raises.
+        nonlinear = any(p.is_partial() and p.reduce_op not in ("sum", "avg") for p in spec.placements)
+        if nonlinear or len(tensors) > 1:
+            return _pointwise_redistribute(func, args, kwargs)
+        raise _unsupported(func, dts, "not linear in a pending (Partial) reduction; redistribute to Replicate first")
     local_args, local_kwargs = tree_unflatten(flat, tree)
     out = func(*local_args, **local_kwargs)
     if _is_mutable(func) and args and isinstance(args[0], DTensor):
@@ -343,17 +379,17 @@ def _compatible(a: DTensorSpec, b: DTensorSpec) -> bool:
     return a.is_replicated() and b.is_replicated()
 
 
-def _check_partial(func, dts, flat) -> None:
+def _partial_ok(func, args, dts) -> bool:
+    """Whether ``func`` commutes with the pending reduction of its Partial operands."""
     name = func.overloadpacket.__name__
     ops = {p.reduce_op for d in dts for p in d.placements if p.is_partial()}
     linear = ops <= {"sum", "avg"}
     if name in _PARTIAL_SAFE and (linear or name not in ("neg", "neg_")):
-        return
-    if linear and name in _PARTIAL_SCALE and len(dts) == 1 and isinstance(flat[0], torch.Tensor):
-        return
-    if linear and name in _PARTIAL_ADD and len(dts) == 2:
-        return
-    raise _unsupported(func, dts, "not linear in a pending (Partial) reduction; redistribute to Replicate first")
+        return True
+    if linear and name in _PARTIAL_SCALE and len(dts) == 1:
+        # Scaling a Partial by a scalar; dividing by a Partial is not linear.
+        return name.startswith("mul") or args[0] is dts[0]
+    return linear and name in _PARTIAL_ADD and len(dts) == 2
 
 
 def _wrap(out, spec: DTensorSpec):

@@ -1,7 +1,8 @@
 """The sharding rules: ``rule(func, args, kwargs) -> Decision`` per aten op, per mesh dim.
 
 ``args``/``kwargs`` are frozen (hashable): every DTensor is replaced by its ``DTensorSpec``,
-lists by tuples. A rule returns the spec each DTensor operand must have (in positional order;
+lists by tuples. A rule returns the spec each DTensor operand must have (in positional order,
+the elements of a tensor-list argument such as ``cat``'s in place;
 the dispatcher redistributes the ones that differ, never in place) and the output spec. Rules
 reason about placements and global shapes only; local shapes always come from the specs (uneven
 ``torch.chunk`` shards stay exact).
@@ -30,7 +31,7 @@ class RuleError(Exception):
 
 
 class Decision(NamedTuple):
-    targets: tuple[DTensorSpec, ...]  # one per DTensor operand, in positional order
+    targets: tuple[DTensorSpec, ...]  # one per DTensor operand, in flattened positional order
     out: DTensorSpec | tuple[DTensorSpec | None, ...]  # a tuple for ops with several outputs
     local_shape_arg: int | None = None  # positional arg replaced by ``out.local_shape`` (view/expand)
     local_fn: Callable | None = None  # replaces ``func`` on the local tensors
@@ -53,14 +54,23 @@ def decide(func, args: tuple, kwargs: tuple) -> Decision:
     """Cached rule decision; ``args``/``kwargs`` frozen (specs instead of DTensors)."""
     if any(isinstance(v, DTensorSpec) for _, v in kwargs):
         raise RuleError("DTensor keyword arguments are not supported")
-    for a in args:
-        if isinstance(a, tuple) and any(isinstance(x, DTensorSpec) for x in a):
-            raise RuleError("DTensors inside argument lists are not supported")
-    specs = [a for a in args if isinstance(a, DTensorSpec)]
+    specs = flat_specs(args)
     mesh = specs[0].mesh
     if any(s.mesh != mesh for s in specs):
         raise RuleError("all DTensor operands must share one mesh")
     return RULES[func](func, args, dict(kwargs))
+
+
+def flat_specs(args: tuple) -> list[DTensorSpec]:
+    """The DTensor operands in flattened positional order: a list argument (``cat``'s tensors)
+    contributes its elements in place. ``Decision.targets`` follows this order."""
+    out = []
+    for a in args:
+        if isinstance(a, DTensorSpec):
+            out.append(a)
+        elif isinstance(a, tuple):
+            out.extend(x for x in a if isinstance(x, DTensorSpec))
+    return out
 
 
 def _spec(like: DTensorSpec, placements, shape) -> DTensorSpec:
@@ -335,17 +345,22 @@ def _reduce_dims(x: DTensorSpec, dims) -> tuple[int, ...]:
     return tuple(sorted({d % max(x.ndim, 1) for d in dims}))
 
 
-def _reduction(x: DTensorSpec, dims: tuple[int, ...], keepdim: bool):
-    """Summing over a sharded dim -> Partial(sum) on that mesh dim; other shard dims shift."""
+def _reduction(x: DTensorSpec, dims: tuple[int, ...], keepdim: bool, reduce_op: str | None = "sum"):
+    """Reducing over a sharded dim -> Partial(reduce_op) on that mesh dim (``reduce_op`` None:
+    the dim is gathered first, for ops returning indices); other shard dims shift. An input
+    Partial stays only when the reduction commutes with it (sum of sum/avg, max of max)."""
     target, out = [], []
     for p in x.placements:
         if p.is_shard():
-            target.append(p)
             if p.dim in dims:
-                out.append(Partial("sum"))
+                target.append(p if reduce_op else _R)
+                out.append(Partial(reduce_op) if reduce_op else _R)
             else:
+                target.append(p)
                 out.append(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
-        elif p.is_partial() and not _is_linear_partial(p):
+        elif p.is_partial() and not (
+            (reduce_op == "sum" and _is_linear_partial(p)) or (reduce_op in ("max", "min") and p.reduce_op == reduce_op)
+        ):
             target.append(_R)
             out.append(_R)
         else:
@@ -380,3 +395,245 @@ def _sum_rule(func, args, kwargs) -> Decision:
 def _local_mean(func, args, kwargs, *, dims, keepdim, count, dtype_pos):
     dtype = kwargs.get("dtype", args[dtype_pos] if len(args) > dtype_pos else None)
     return torch.sum(args[0], dim=list(dims), keepdim=keepdim, dtype=dtype) / count
+
+
+@register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+def _amax_rule(func, args, kwargs) -> Decision:
+    """max/min over a sharded dim: each rank reduces its piece -> Partial(max/min)."""
+    x = args[0]
+    if func in (aten.max.default, aten.min.default):
+        dims, keepdim = tuple(range(x.ndim)), False
+    else:
+        dims = _reduce_dims(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    op = "max" if func in (aten.amax.default, aten.max.default) else "min"
+    if any(p.is_shard() and p.dim in dims and x.shape[p.dim] == 0 for p in x.placements):
+        raise RuleError(f"{op} over an empty dim has no identity")
+    target, placements, out, shape = _reduction(x, dims, keepdim, op)
+    local_fn = None
+    if any(p.is_shard() and p.dim in dims for p in placements):
+        # An empty local piece (uneven torch.chunk shards) has no max: give it the identity.
+        local_fn = functools.partial(_local_minmax, op=op, dims=dims, keepdim=keepdim, shape=_spec(x, out, shape))
+    return Decision((target,), _spec(x, out, shape), local_fn=local_fn)
+
+
+def _local_minmax(func, args, kwargs, *, op, dims, keepdim, shape):
+    x = args[0]
+    if x.numel() == 0:
+        if x.dtype.is_floating_point:
+            fill = float("-inf") if op == "max" else float("inf")
+        elif x.dtype == torch.bool:
+            fill = op == "min"
+        else:
+            info = torch.iinfo(x.dtype)
+            fill = info.min if op == "max" else info.max
+        return x.new_full(shape.local_shape, fill)
+    return func(*args, **kwargs)
+
+
+@register(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
+def _argmax_rule(func, args, kwargs) -> Decision:
+    """Ops returning indices: a sharded reduced dim is gathered first (indices cannot be reduced
+    across ranks); the other shard dims stay. ``argmax(dim=None)`` gathers everything."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if dim is None:  # argmax over the flattened tensor
+        dims = tuple(range(x.ndim))
+        target = _spec(x, [_R] * len(x.placements), x.shape)
+        shape = (1,) * x.ndim if keepdim else ()
+        return Decision((target,), DTensorSpec(x.mesh, target.placements, shape))
+    dims = _reduce_dims(x, dim) if x.ndim else ()
+    target, _, out, shape = _reduction(x, dims, keepdim, None)
+    out_spec = _spec(x, out, shape)
+    if func in (aten.max.dim, aten.min.dim):
+        return Decision((target,), (out_spec, out_spec))
+    return Decision((target,), out_spec)
+
+
+# ---- concatenation, splitting, slicing ------------------------------------------------------------
+
+
+def _shift(p: Placement, dim: int, delta: int) -> Placement:
+    return Shard(p.dim + delta) if p.is_shard() and p.dim >= dim else p
+
+
+@register(aten.cat.default)
+def _cat_rule(func, args, kwargs) -> Decision:
+    """Concatenation along ``dim``: a mesh dim keeps a Shard of another dim (all operands move
+    to the first operand's such Shard) or a Partial(sum/avg) every operand has; a Shard of
+    ``dim`` itself and anything else become Replicate."""
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    specs = [t for t in tensors if isinstance(t, DTensorSpec)]
+    if len(specs) != len(tensors):
+        raise RuleError("every tensor in the list must be a DTensor")
+    specs = [s for s in specs if s.shape != (0,)] or specs[:1]  # torch.cat skips legacy 1-d empties
+    ndim = specs[0].ndim
+    if any(s.ndim != ndim for s in specs):
+        raise RuleError(f"tensors of different ranks: {[list(s.shape) for s in specs]}")
+    dim %= max(ndim, 1)
+    placements = []
+    for i in range(len(specs[0].placements)):
+        ps = [s.placements[i] for s in specs]
+        shard = next((p for p in ps if p.is_shard() and p.dim != dim), None)
+        if shard is not None:
+            placements.append(shard)
+        elif _is_linear_partial(ps[0]) and all(p == ps[0] for p in ps):
+            placements.append(ps[0])
+        else:
+            placements.append(_R)
+    targets = [_spec(t, placements, t.shape) if t in specs else t for t in tensors]
+    shape = list(specs[0].shape)
+    shape[dim] = sum(s.shape[dim] for s in specs)
+    return Decision(tuple(targets), DTensorSpec(specs[0].mesh, tuple(placements), tuple(shape)))
+
+
+@register(aten.stack.default)
+def _stack_rule(func, args, kwargs) -> Decision:
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not all(isinstance(t, DTensorSpec) for t in tensors):
+        raise RuleError("every tensor in the list must be a DTensor")
+    shape = tensors[0].shape
+    if any(t.shape != shape for t in tensors):
+        raise RuleError(f"stack needs equal shapes, got {[list(t.shape) for t in tensors]}")
+    dim %= len(shape) + 1
+    placements = []
+    for i in range(len(tensors[0].placements)):
+        ps = [t.placements[i] for t in tensors]
+        shard = next((p for p in ps if p.is_shard()), None)
+        if shard is not None:
+            placements.append(shard)
+        elif _is_linear_partial(ps[0]) and all(p == ps[0] for p in ps):
+            placements.append(ps[0])
+        else:
+            placements.append(_R)
+    out = [_shift(p, dim, 1) for p in placements]
+    targets = tuple(_spec(t, placements, t.shape) for t in tensors)
+    return Decision(targets, DTensorSpec(tensors[0].mesh, tuple(out), (*shape[:dim], len(tensors), *shape[dim:])))
+
+
+def _split_target(x: DTensorSpec, dim: int) -> list[Placement]:
+    """Views along ``dim``: a Shard of ``dim`` is gathered; other placements (Partials too) stay."""
+    return [_R if p.is_shard(dim) else p for p in x.placements]
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def _split_rule(func, args, kwargs) -> Decision:
+    x = args[0]
+    if func is aten.unbind.int:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    else:
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    dim %= max(x.ndim, 1)
+    placements = _split_target(x, dim)
+    target = _spec(x, placements, x.shape)
+    n = x.shape[dim]
+    if func is aten.unbind.int:
+        out = [Shard(p.dim - (p.dim > dim)) if p.is_shard() else p for p in placements]
+        spec = DTensorSpec(x.mesh, tuple(out), x.shape[:dim] + x.shape[dim + 1 :])
+        return Decision((target,), (spec,) * n)
+    if func is aten.split.Tensor:
+        size = args[1]
+        sizes = [min(size, n - i) for i in range(0, n, size)] if size > 0 else [n]
+        sizes = sizes or [0]
+    else:
+        sizes = list(args[1])
+    outs = tuple(DTensorSpec(x.mesh, tuple(placements), (*x.shape[:dim], s, *x.shape[dim + 1 :])) for s in sizes)
+    return Decision((target,), outs)
+
+
+@register(aten.slice.Tensor)
+def _slice_rule(func, args, kwargs) -> Decision:
+    """``x[..., a:b:c, ...]`` / ``narrow``: a sliced dim that is sharded is gathered first (a
+    whole-range slice keeps it); other placements stay."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    dim %= max(x.ndim, 1)
+    n = x.shape[dim]
+    lo, hi, st = slice(start, end, step).indices(n)
+    length = len(range(lo, hi, st))
+    whole = length == n
+    placements = x.placements if whole else _split_target(x, dim)
+    out_shape = (*x.shape[:dim], length, *x.shape[dim + 1 :])
+    if whole:
+        return Decision((x,), _spec(x, x.placements, out_shape), local_fn=_identity)
+    return Decision((_spec(x, placements, x.shape),), DTensorSpec(x.mesh, tuple(placements), out_shape))
+
+
+def _identity(func, args, kwargs):
+    return aten.alias.default(args[0])
+
+
+@register(aten.select.int)
+def _select_rule(func, args, kwargs) -> Decision:
+    x, dim = args[0], args[1] % max(args[0].ndim, 1)
+    placements = _split_target(x, dim)
+    out = [Shard(p.dim - (p.dim > dim)) if p.is_shard() else p for p in placements]
+    return Decision(
+        (_spec(x, placements, x.shape),), DTensorSpec(x.mesh, tuple(out), x.shape[:dim] + x.shape[dim + 1 :])
+    )
+
+
+@register(aten.slice_backward.default, aten.select_backward.default)
+def _slice_backward_rule(func, args, kwargs) -> Decision:
+    """The gradient of a slice / select: zeros of the input's shape with the grad written in.
+    Shards of other dims and Partials (linear) stay; the sliced dim is whole on every rank."""
+    grad, sizes, dim = args[0], tuple(args[1]), args[2] % len(args[1])
+    if func is aten.select_backward.default:
+        keep = [p for p in grad.placements]
+        target = grad
+        out = [Shard(p.dim + (p.dim >= dim)) if p.is_shard() else p for p in keep]
+    else:
+        keep = _split_target(grad, dim)
+        target = _spec(grad, keep, grad.shape)
+        out = keep
+    return Decision((target,), DTensorSpec(grad.mesh, tuple(out), sizes), local_shape_arg=1)
+
+
+# ---- factories from a DTensor and scatter ---------------------------------------------------------
+
+
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+@register(aten.new_empty_strided.default)
+def _new_factory_rule(func, args, kwargs) -> Decision:
+    """``x.new_zeros(size)``: a constant (or uninitialised) tensor. It keeps a Shard of ``x``
+    where that dim has the same size in ``size``; everything else is Replicate."""
+    x, size = args[0], tuple(args[1])
+    out = [p if p.is_shard() and len(size) == x.ndim and size[p.dim] == x.shape[p.dim] else _R for p in x.placements]
+    local_fn = _local_new_empty_strided if func is aten.new_empty_strided.default else None
+    return Decision((x,), DTensorSpec(x.mesh, tuple(out), size), local_shape_arg=1, local_fn=local_fn)
+
+
+def _local_new_empty_strided(func, args, kwargs):
+    return aten.new_empty.default(args[0], args[1], **kwargs)
+
+
+@register(aten.scatter.src, aten.scatter.value, aten.gather.default)
+def _scatter_rule(func, args, kwargs) -> Decision:
+    """scatter(self, dim, index, src) / gather(self, dim, index): shards of a dim other than
+    ``dim`` where every operand has the same size stay (the first one found; the others move to
+    it); ``dim`` itself, Partials and everything else are Replicate."""
+    x, dim = args[0], args[1] % max(args[0].ndim, 1)
+    specs = [a for a in (x, *args[2:4]) if isinstance(a, DTensorSpec)]
+    if len(specs) != len([a for a in (x, *args[2:4]) if not isinstance(a, int | float | bool)]):
+        raise RuleError("self, index and src must all be DTensors")
+    if any(s.ndim != x.ndim for s in specs):
+        raise RuleError("operands of different ranks")
+    placements = []
+    for i in range(len(x.placements)):
+        ok = [
+            s.placements[i]
+            for s in specs
+            if s.placements[i].is_shard()
+            and s.placements[i].dim != dim
+            and len({t.shape[s.placements[i].dim] for t in specs}) == 1
+        ]
+        placements.append(ok[0] if ok else _R)
+    targets = tuple(_spec(s, placements, s.shape) for s in specs)
+    shape = args[2].shape if func is aten.gather.default else x.shape
+    return Decision(targets, DTensorSpec(x.mesh, tuple(placements), shape))
