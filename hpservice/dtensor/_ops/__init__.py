@@ -6,7 +6,10 @@ wraps the result. Rules are pure functions of (op, specs, non-tensor arguments),
 cached (``decide``).
 """
 
-from . import _nn_rules  # noqa: F401  (registers embedding / norm / softmax rules)
+from . import (
+    _attention_rules,  # noqa: F401  (registers scaled-dot-product attention rules)
+    _nn_rules,  # noqa: F401  (registers embedding / norm / softmax rules)
+)
 from ._rules import RULES, Decision, decide, pointwise_decision
 
 __all__ = ["RULES", "Decision", "decide", "pointwise_decision"]
