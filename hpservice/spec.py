@@ -104,7 +104,9 @@ class LRSchedulerSpec(_Section):
 class ParallelismSpec(_Section):
     dp_replicate: int = Field(1, ge=1, description="HSDP replicate groups (across nodes)")
     dp_shard: int = Field(-1, description="ranks a model is sharded over; -1 = the rest of the world")
-    tp: int = Field(1, ge=1, description="tensor parallel degree")
+    tp: int = Field(
+        1, ge=1, description="tensor parallel degree (the built-in llama); fully_shard then shards over the dp dims"
+    )
     reshard_after_forward: bool = True
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     cpu_offload: bool = False
@@ -114,19 +116,6 @@ class ParallelismSpec(_Section):
     def _dp_shard(cls, v: int) -> int:
         if v != -1 and v < 1:
             raise ValueError("must be -1 (the rest of the world) or >= 1")
-        return v
-
-    @field_validator("tp")
-    @classmethod
-    def _tp(cls, v: int, info) -> int:
-        # Tensor parallelism alone (a 1-d "tp" mesh); composed with FSDP/HSDP it is not built yet.
-        # dp_shard -1 is checked once the world size is known (``Trainer``'s ``build_mesh``).
-        replicate, shard = info.data.get("dp_replicate", 1), info.data.get("dp_shard", -1)
-        if v > 1 and (replicate > 1 or shard > 1):
-            raise ValueError(
-                f"tensor parallelism with data parallelism (tp > 1 and dp > 1) is not built yet "
-                f"(tp {v}, dp_replicate {replicate}, dp_shard {shard}): set dp_replicate 1 and dp_shard 1"
-            )
         return v
 
     def resolve(self, world_size: int) -> tuple[int, int]:

@@ -11,6 +11,15 @@ parameter's slot of the group's unsharded flat buffer as a padded full tensor (`
 ``shard_dim``); the unsharded parameter (a plain ``nn.Parameter``, what forward and backward
 use) is the unpadded view of it. The slot's storage is freed on reshard and regrown, not
 reallocated, so tensors autograd saved stay valid.
+
+With tensor parallelism (a parameter that is already a DTensor on a "tp" mesh, from
+``hpservice.parallel``), FSDP shards the parameter's *local* tensor over the data-parallel mesh:
+the unsharded form is the tp DTensor again, and the sharded form is one DTensor on the combined
+mesh ``(dp dims..., tp dims...)`` with placements ``(dp placements..., tp placements...)``. FSDP
+cuts a tensor dim that tp does not shard (dim 0 for a rowwise weight, dim 1 for a colwise one),
+so the nested placements describe exactly the bytes each rank holds, with no strided layout, and
+the optimizer, global norms and checkpoints (whose chunk offsets come from the spec) need nothing
+special.
 """
 
 from __future__ import annotations
@@ -20,23 +29,55 @@ import math
 import torch
 import torch.nn as nn
 
-from hpservice.dtensor import DTensor, Replicate, Shard
+from hpservice.dtensor import DeviceMesh, DTensor, Replicate, Shard
 from hpservice.dtensor._layout import DTensorSpec, local_shard_size_and_offset
+
+
+def combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``(dp dims..., tp dims...)`` of one root mesh, for parameters sharded by both."""
+    root = dp_mesh._root
+    if tp_mesh._root is not root or set(dp_mesh._root_dims) & set(tp_mesh._root_dims):
+        raise ValueError(
+            f"fully_shard: a DTensor parameter on {tp_mesh!r} needs a data-parallel mesh from the same root mesh, "
+            f"on other dims (e.g. world['dp_shard'] and world['tp']); got {dp_mesh!r}"
+        )
+    if not root.mesh_dim_names:
+        raise ValueError("fully_shard: a DTensor parameter needs a root mesh with mesh_dim_names")
+    names = tuple(root.mesh_dim_names[d] for d in dp_mesh._root_dims + tp_mesh._root_dims)
+    return root[names]
 
 
 class FSDPParam:
     """Metadata and views for one parameter managed by an FSDPParamGroup."""
 
-    def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], shard_dim: int, mesh, hsdp: bool):
+    def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], shard_dim: int | None, mesh, hsdp: bool):
         self.uses = uses  # every (module, attribute name) that holds this parameter (tied weights)
         self.requires_grad = param.requires_grad
         self.orig_dtype = param.dtype
-        self.shape = tuple(param.shape)
+        # Tensor parallelism: FSDP works on the local tensor; ``tp_spec`` is the parameter's layout.
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        local = param._local_tensor if self.tp_spec is not None else param
+        self.shape = tuple(local.shape)  # what FSDP shards: the tp-local shape
         if param.ndim == 0:
             raise NotImplementedError(
                 f"fully_shard: 0-d parameter {uses[0][1]!r} cannot be sharded; pass it in ignored_params"
             )
+        tp_dims = {p.dim % param.ndim for p in self.tp_spec.placements if p.is_shard()} if self.tp_spec else set()
+        if shard_dim is None:  # the first dim tensor parallelism leaves whole
+            free = [d for d in range(param.ndim) if d not in tp_dims]
+            if not free:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {uses[0][1]!r} of shape {tuple(param.shape)} is sharded on every dim "
+                    f"by its DTensor placements {self.tp_spec.placements} (e.g. a colwise bias); sharding it again "
+                    "over the data-parallel mesh is not built yet"
+                )
+            shard_dim = free[0]
         self.shard_dim = shard_dim % param.ndim
+        if self.shard_dim in tp_dims:
+            raise ValueError(
+                f"fully_shard: shard_placement_fn chose dim {self.shard_dim} of {uses[0][1]!r}, which its DTensor "
+                f"placements {self.tp_spec.placements} already shard; choose another dim"
+            )
         self.mesh = mesh
         shard_mesh_dim = mesh.ndim - 1
         self.world = mesh.size(shard_mesh_dim)
@@ -47,7 +88,12 @@ class FSDPParam:
         self.padded_shard_shape = self.shape[: self.shard_dim] + (self.chunk,) + self.shape[self.shard_dim + 1 :]
         self.numel = math.prod(self.padded_shard_shape)
         placements = (Replicate(), Shard(self.shard_dim)) if hsdp else (Shard(self.shard_dim),)
-        self.spec = DTensorSpec(mesh, placements, self.shape, tuple(param.stride()))
+        if self.tp_spec is None:
+            self.spec = DTensorSpec(mesh, placements, self.shape, tuple(param.stride()))
+        else:
+            self.spec = DTensorSpec(
+                combined_mesh(mesh, self.tp_spec.mesh), placements + self.tp_spec.placements, self.tp_spec.shape
+            )
         self.offset = 0  # set by the group
         self.sharded_param: nn.Parameter | None = None
         self.unsharded_param: nn.Parameter | None = None
@@ -67,6 +113,8 @@ class FSDPParam:
         full model never exists on one rank.
         """
         view = self.shard_view(flat_shard)
+        if isinstance(full, DTensor):  # tensor parallelism: shard this rank's tp piece
+            full = full._local_tensor
         if not full.is_meta:
             start = min(self.rank * self.chunk, self.shape[self.shard_dim])
             with torch.no_grad():
@@ -80,9 +128,10 @@ class FSDPParam:
         padded_shape = self.shape[: self.shard_dim] + (self.chunk * self.world,) + self.shape[self.shard_dim + 1 :]
         slot = flat_unsharded[offset : offset + self.numel * self.world].view(padded_shape)
         self._unsharded_padded = slot
-        self.unsharded_param = nn.Parameter(
-            slot.narrow(self.shard_dim, 0, self.shape[self.shard_dim]), requires_grad=self.requires_grad
-        )
+        unsharded = slot.narrow(self.shard_dim, 0, self.shape[self.shard_dim])
+        if self.tp_spec is not None:
+            unsharded = DTensor(unsharded, self.tp_spec)
+        self.unsharded_param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank-major all-gather output ``(S, C)`` -> this parameter's padded full slot."""
@@ -94,8 +143,14 @@ class FSDPParam:
     def copy_in_grad(self, grad: torch.Tensor, flat_in: torch.Tensor) -> None:
         """Full gradient -> its rank-major slots of the reduce-scatter input ``(S, C)`` (cast there).
 
-        Padding positions get zeros; they reduce into padding, which is never read.
+        Padding positions get zeros; they reduce into padding, which is never read. A tensor-parallel
+        gradient is first given the parameter's placements (e.g. the Partial gradient of a replicated
+        norm weight under sequence parallelism is all-reduced over tp), then its local tensor is used.
         """
+        if isinstance(grad, DTensor):
+            if grad._spec.placements != self.tp_spec.placements:
+                grad = grad.redistribute(self.tp_spec.mesh, self.tp_spec.placements)
+            grad = grad._wait_local()
         d = self.shard_dim
         dst = flat_in[:, self.offset : self.offset + self.numel]
         n = self.shape[d]
@@ -119,6 +174,12 @@ class FSDPParam:
         if pad:
             grad = torch.nn.functional.pad(grad, [0, 0] * (grad.ndim - d - 1) + [0, pad])
         dst.copy_(grad.unflatten(d, (self.world, self.chunk)).movedim(d, 0))
+
+    def global_to_local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full (global-shape) tensor for the sharded parameter."""
+        for d, (size, start) in enumerate(zip(self.spec.local_shape, self.spec.local_offset, strict=True)):
+            full = full.narrow(d, start, size)
+        return full
 
     def zero_grad_slot(self, flat_in: torch.Tensor) -> None:
         flat_in[:, self.offset : self.offset + self.numel].zero_()

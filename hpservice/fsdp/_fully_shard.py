@@ -161,7 +161,9 @@ def fully_shard(
     """Shard ``module``'s parameters (not already taken by an inner fully_shard) over ``mesh``.
 
     A 1-D mesh is FSDP (``Shard(0)`` parameters); a 2-D mesh ``(replicate, shard)`` is HSDP
-    (``(Replicate(), Shard(0))``). A list of modules forms one group (tied weights).
+    (``(Replicate(), Shard(0))``). Parameters that are already DTensors (tensor parallelism on
+    another dim of the same root mesh) are sharded on a dim their placements leave whole; their
+    sharded form lives on the combined ``(dp..., tp...)`` mesh. A list of modules forms one group (tied weights).
     ``reshard_after_forward=None`` reshards every module but the root after forward.
     ``ignored_params`` are left alone: not sharded, no communication.
     """
@@ -203,8 +205,8 @@ def fully_shard(
         placement = shard_placement_fn(p) if shard_placement_fn is not None else None
         if placement is not None and not isinstance(placement, Shard):
             raise TypeError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r}")
-        shard_dim = placement.dim if placement is not None else 0
-        if not -p.ndim <= shard_dim < max(p.ndim, 1):
+        shard_dim = placement.dim if placement is not None else None
+        if shard_dim is not None and not -p.ndim <= shard_dim < max(p.ndim, 1):
             raise ValueError(f"shard_placement_fn returned {placement!r} for a parameter of shape {tuple(p.shape)}")
         params.append(FSDPParam(p, uses, shard_dim, mesh, hsdp=mesh.ndim == 2))
 
@@ -212,7 +214,8 @@ def fully_shard(
     if params:
         group = FSDPParamGroup(params, mesh, device, mp_policy, offload_policy)
         for fp, (p, _, _) in zip(params, found.values(), strict=True):
-            fp.init_sharded(p.detach() if p.is_meta else p.detach().to(device), group.flat_shard)
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            fp.init_sharded(local.detach() if local.is_meta else local.detach().to(device), group.flat_shard)
             fp.swap_to(fp.sharded_param)
     state = FSDPState(modules, group, mp_policy, reshard_after_forward)
     keys = {fqn: fp for fp, (_, _, fqns) in zip(params, found.values(), strict=True) for fqn in fqns}
@@ -234,7 +237,6 @@ def _load_full_or_sharded(params: dict[str, FSDPParam], module, state_dict, pref
         if isinstance(value, DTensor):
             if value.placements != fp.spec.placements:
                 state_dict[key] = value.redistribute(fp.spec.mesh, fp.spec.placements)
-        elif tuple(value.shape) == fp.shape:  # otherwise the module's own shape check reports it
-            start = min(fp.rank * fp.chunk, fp.shape[fp.shard_dim])
-            local = value.detach().narrow(fp.shard_dim, start, fp.local_size).to(fp.sharded_param.device)
+        elif tuple(value.shape) == fp.spec.shape:  # otherwise the module's own shape check reports it
+            local = fp.global_to_local(value.detach()).to(fp.sharded_param.device)
             state_dict[key] = DTensor(local, fp.spec)

@@ -35,6 +35,8 @@ from hpservice.models.llama import Llama
 from hpservice.parallel import apply_llama_tp, vocab_parallel_cross_entropy
 from hpservice.spec import JobSpec
 
+from ._grad_norm import clip_grad_norm_
+
 log = logging.getLogger("hpservice.train")
 
 MetricsCallback = Callable[[dict], None]
@@ -71,20 +73,21 @@ def pick_device(spec: JobSpec) -> torch.device:
 
 
 def build_mesh(spec: JobSpec, device: torch.device) -> DeviceMesh:
-    """A data-parallel mesh ("dp_shard", or "dp_replicate" x "dp_shard"), or with ``tp > 1`` a 1-d
-    "tp" mesh (tensor parallelism alone: the data-parallel size must be 1)."""
+    """The world mesh: ("dp_replicate", "dp_shard", "tp"), leaving out dims of size 1 (but always
+    keeping "dp_shard" unless tp covers the whole world). Tensor-parallel ranks are adjacent (the
+    innermost dim), so on a GPU box tp stays within a node."""
     replicate, shard = spec.parallelism.resolve(dist.get_world_size())
     tp = spec.parallelism.tp
-    if tp > 1:
-        if replicate * shard != 1:
-            raise TrainingError(
-                f"tensor parallelism with data parallelism (tp > 1 and dp > 1) is not built yet "
-                f"(tp {tp}, dp_replicate {replicate}, dp_shard {shard})"
-            )
-        return init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
-    if replicate > 1:
-        return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
+    dims = [("dp_replicate", replicate), ("dp_shard", shard), ("tp", tp)]
+    dims = [(n, s) for n, s in dims if s > 1 or (n == "dp_shard" and (tp == 1 or replicate > 1))]
+    names, sizes = zip(*dims, strict=True)
+    return init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The sub-mesh fully_shard shards over (None with tensor parallelism alone)."""
+    names = tuple(n for n in mesh.mesh_dim_names if n.startswith("dp_"))
+    return mesh[names] if names else None
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
@@ -104,12 +107,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec, device: torch.de
     """Tensor parallelism on the 1-d "tp" mesh: materialise the meta model on ``device``, initialise
     it with the DTensor RNG (every parameter a Replicate DTensor for the init, so the values are the
     ones a data-parallel or single-device run of the same seed gets, and equal on every rank), then
-    apply the built-in Llama's plan (``apply_llama_tp``: slices the parameters locally)."""
-    p = spec.parallelism
+    apply the built-in Llama's plan (``apply_llama_tp``: slices the parameters locally).
+    ``apply_fsdp`` may then shard the result over the data-parallel dims."""
     if not isinstance(model, Llama):
         raise TrainingError(f"parallelism.tp > 1 supports the built-in llama only, got {type(model).__name__}")
-    if p.mixed_precision != "none" or p.cpu_offload:
-        raise TrainingError("parallelism.tp > 1 with mixed_precision or cpu_offload is not built yet")
     model.to_empty(device=device)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
@@ -128,21 +129,6 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec, device: torch.de
         apply_llama_tp(model, mesh)
     except ValueError as e:
         raise TrainingError(str(e)) from e
-
-
-def _clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` for a mix of sharded DTensor and plain (replicated) parameters: the
-    global 2-norm over the full gradients, the same on every rank."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32)
-    for g in grads:
-        full = g.full_tensor() if isinstance(g, DTensor) else g
-        total += full.detach().float().pow(2).sum().cpu()
-    total = total.sqrt()
-    coef = min(1.0, max_norm / (float(total) + 1e-6))
-    for g in grads:
-        g.mul_(coef)
-    return total
 
 
 def build_optimizer(model: nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
@@ -197,18 +183,32 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = build_mesh(spec, self.device)
         self.tp = spec.parallelism.tp > 1
+        self.dp_mesh = data_parallel_mesh(self.mesh)
         # The data-parallel rank and size of this rank: every tensor-parallel rank sees the same data.
-        self.dp_rank, self.dp_size = (0, 1) if self.tp else (self.rank, self.world)
+        self.dp_rank, self.dp_size = (0, 1)
+        if self.dp_mesh is not None:
+            self.dp_size = self.dp_mesh.size()
+            for i in range(self.dp_mesh.ndim):  # row-major over (dp_replicate, dp_shard)
+                self.dp_rank = self.dp_rank * self.dp_mesh.size(i) + self.dp_mesh.get_local_rank(i)
 
         m = spec.model
         self.model = build_model(m.name, m.flavor, m.overrides, device="meta")
         if self.tp:
-            apply_tp(self.model, self.mesh, spec, self.device)
+            # The tp path materialises the (replicated) model on every rank before slicing it.
+            apply_tp(self.model, self.mesh["tp"], spec, self.device)
+            if self.dp_mesh is not None:
+                apply_fsdp(self.model, self.dp_mesh, spec)
+            elif spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
+                raise TrainingError(
+                    "parallelism.mixed_precision and cpu_offload come from fully_shard: with tp alone (data-parallel "
+                    "size 1) they are not built yet; use dp_shard >= 2 or set them to none/false"
+                )
         else:
-            apply_fsdp(self.model, self.mesh, spec)
+            apply_fsdp(self.model, self.dp_mesh, spec)
             dtensor_random.manual_seed(spec.training.seed)
             with torch.no_grad():
                 self.model.init_weights()  # shard by shard: the full model never exists on one rank
+        self.fsdp = self.dp_mesh is not None
 
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
@@ -323,7 +323,7 @@ class Trainer:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         loss_sum = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
-            if not self.tp:
+            if self.fsdp:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(x)
             if isinstance(logits, DTensor):  # tensor parallelism: logits sharded on the vocabulary
@@ -339,11 +339,7 @@ class Trainer:
                 raise TrainingError(f"non-finite loss ({loss_value}) at step {self.step + 1}")
             log.warning("step %d: non-finite loss, step skipped", self.step + 1)
         max_norm = spec.training.max_grad_norm or float("inf")
-        if self.tp:
-            grad_norm = _clip_grad_norm(self.model.parameters(), max_norm)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         if math.isfinite(loss_value):
             self.optimizer.step()
