@@ -15,17 +15,41 @@ sees matching layouts (the vocab-parallel embedding's gradient comes back replic
 sliced locally: no communication). With ``use_local_output=True`` the output is the local ``torch.Tensor``, so plain
 modules (an activation) can sit between a colwise and a rowwise layer.
 
+Both accept ``input_layouts`` (the layout of a plain-tensor input; a DTensor input is taken as it
+is) and ``output_layouts`` (what the output is redistributed to) as in torch: e.g.
+``ColwiseParallel(input_layouts=Shard(1))`` all-gathers a sequence-sharded input,
+``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters the Partial product onto the
+sequence dim (sequence parallelism).
+
+``SequenceParallel`` (norms, dropout, any module computing per position): parameters
+``Replicate``, input and output sharded on the sequence dim; the parameters' Partial gradients
+(each rank saw only its positions) are all-reduced by the same hook. ``PrepareModuleInput`` /
+``PrepareModuleOutput`` / ``PrepareModuleInputOutput`` only convert a module's inputs / outputs
+(plain tensors are annotated with ``DTensor.from_local`` in the given layout, then redistributed
+to the desired one; ``None`` entries are passed through).
+
 Parameters are sliced locally (``distribute_tensor(..., src_data_rank=None)``): no communication,
 so every rank must hold the same initial weights (seed the init identically).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from ..dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "RowwiseParallel"]
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+]
 
 
 class ParallelStyle:
@@ -47,6 +71,46 @@ def _distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement:
         placements = new.placements
         new.register_hook(lambda g: g if g.placements == placements else g.redistribute(mesh, placements))
     module.register_parameter(name, new)
+
+
+class _Contiguous(torch.autograd.Function):
+    """Identity on a plain tensor whose result and gradient are contiguous (copied only when not)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous() if not x.is_contiguous() else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+
+def _dense(dt: DTensor) -> DTensor:
+    """``dt`` with a contiguous local piece, forward and backward. No communication.
+
+    Workaround for a DTensor-core behaviour: an all-gather of an uneven shard on a dim > 0 (e.g.
+    ``Shard(1) -> Replicate`` of a sequence of 7 over 2 ranks, and the backward of a reduce-scatter
+    onto it) leaves a narrowed, non-contiguous local piece while the DTensor reports contiguous
+    strides; a composite op that picks ``view`` from those strides (``F.linear`` on a 3-d input, or
+    its backward) then fails on the local piece. A no-op for contiguous pieces.
+    """
+    if not (torch.is_grad_enabled() and dt.requires_grad):
+        local = dt.to_local()
+        if local.is_contiguous():
+            return dt
+        return DTensor.from_local(local.contiguous(), dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride())
+    # The gradient of a Partial DTensor is Replicate (the same for every rank's addend).
+    grad_placements = [Replicate() if p.is_partial() else p for p in dt.placements]
+    local = _Contiguous.apply(dt.to_local(grad_placements=grad_placements))
+    return DTensor.from_local(local, dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride())
+
+
+def _redistribute(dt: DTensor, mesh: DeviceMesh, placements) -> DTensor:
+    """``dt.redistribute(mesh, placements)`` whose local pieces (and their gradients) are contiguous."""
+    placements = tuple(Shard(p.dim + dt.ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
+    if mesh == dt.device_mesh and placements == tuple(dt.placements):
+        return dt
+    return _dense(_dense(dt).redistribute(mesh, placements))
 
 
 class _LinearStyle(ParallelStyle):
@@ -106,11 +170,11 @@ class _LinearStyle(ParallelStyle):
         if not isinstance(x, DTensor):
             # Without shape= the global size of a sharded dim is gathered: exact for uneven shards.
             x = DTensor.from_local(x, mesh, [layout])
-        x = x.redistribute(mesh, [desired])
+        x = _redistribute(x, mesh, [desired])
         return (x, *inputs[1:])
 
     def _prepare_output(self, out: DTensor, mesh: DeviceMesh):
-        out = out.redistribute(mesh, [self.output_layouts])
+        out = _redistribute(out, mesh, [self.output_layouts])
         return out.to_local() if self.use_local_output else out
 
 
@@ -136,3 +200,281 @@ class RowwiseParallel(_LinearStyle):
     _default_input = Shard(-1)
     _default_output = Replicate()
     _embedding_weight = Shard(0)
+
+
+# ---- sequence parallelism -------------------------------------------------------------------------
+
+
+class SequenceParallel(ParallelStyle):
+    """Run a module on the sequence-sharded activations (Megatron-LM sequence parallelism,
+    Korthikanti et al. 2022): every parameter of the module (and its submodules) becomes a
+    ``Replicate`` DTensor, the first input is sharded on ``sequence_dim``, and the output, computed
+    per position, stays sharded on it. For modules that work per position: ``nn.LayerNorm``, RMSNorm,
+    ``nn.Dropout``, elementwise activations.
+
+    The first input: a DTensor not sharded on ``sequence_dim`` is redistributed to it; a plain
+    tensor is taken to be this rank's sequence shard already (``DTensor.from_local`` with
+    ``Shard(sequence_dim)``: pieces must be ``torch.chunk`` pieces, uneven included). The other
+    inputs are passed unchanged. ``use_local_output=True`` returns the local shard.
+
+    Each rank sees only its positions, so a parameter's gradient comes back ``Partial``; a hook
+    all-reduces it to ``Replicate`` (the parameter's layout), so a stock optimizer step gives the
+    single-device update. As in torch, the parameters are taken as they are (no broadcast): every
+    rank must hold the same values (the ones-init of a norm, or a seeded init).
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        self.sequence_sharding = (Shard(sequence_dim),)
+        self.use_local_output = use_local_output
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
+            f"use_local_output={self.use_local_output})"
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError(f"{type(self).__name__}: expected a 1-d mesh, got {device_mesh}")
+        for submodule in module.modules():
+            for name in [n for n, p in submodule.named_parameters(recurse=False) if p is not None]:
+                _distribute_param(submodule, name, device_mesh, Replicate())
+        module.register_forward_pre_hook(lambda mod, inputs: self._prepare_input(mod, inputs, device_mesh))
+        module.register_forward_hook(lambda _m, _inputs, out: self._prepare_output(out))
+        return module
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        if not inputs:
+            raise ValueError(f"SequenceParallel: {type(module).__name__} was called without a positional input")
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            x = _redistribute(x, mesh, self.sequence_sharding)
+        elif isinstance(x, torch.Tensor):
+            x = DTensor.from_local(x, mesh, self.sequence_sharding)
+        else:
+            raise ValueError(
+                f"SequenceParallel: expected the input of {type(module).__name__} to be a torch.Tensor or DTensor, "
+                f"got {type(x).__name__}"
+            )
+        return (x, *inputs[1:])
+
+    def _prepare_output(self, out):
+        if not self.use_local_output:
+            return out
+        if not isinstance(out, DTensor):
+            raise TypeError(f"SequenceParallel(use_local_output=True): expected a DTensor output, got {type(out)}")
+        return out.to_local()
+
+
+# ---- converting inputs and outputs ----------------------------------------------------------------
+
+
+def _as_layouts(layouts, what: str) -> tuple[Placement | None, ...] | None:
+    if layouts is None or isinstance(layouts, Placement):
+        return layouts if layouts is None else (layouts,)
+    layouts = tuple(layouts)
+    for p in layouts:
+        if p is not None and not isinstance(p, Placement):
+            raise TypeError(f"{what}: expected Placements or None, got {p!r}")
+    return layouts
+
+
+def _convert(value: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, local: bool, what: str):
+    """One input/output: annotate a plain tensor with ``layout``, redistribute to ``desired``
+    (``None``: keep), return the local tensor with ``local``. ``layout=None``: passed through."""
+    if layout is None:
+        return value
+    if isinstance(value, DTensor):
+        dt = value  # taken as it is (torch does not check it against ``layout`` either)
+    elif isinstance(value, torch.Tensor):
+        dt = DTensor.from_local(value, mesh, [layout])
+    else:
+        raise TypeError(f"{what}: expected a torch.Tensor for layout {layout}, got {type(value).__name__}")
+    if desired is not None:
+        dt = _redistribute(dt, mesh, [desired])
+    return dt.to_local() if local else dt
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Convert a module's inputs at runtime (a forward pre-hook), as in torch.
+
+    ``input_layouts``: one placement per positional input (a single placement = one input), the
+    layout a plain-tensor input is annotated with (``DTensor.from_local``; a DTensor input is taken
+    as it is); ``None`` entries leave that input untouched (a non-tensor, or a tensor that stays
+    plain). ``desired_input_layouts`` (same length): what each is redistributed to (``None``:
+    kept). ``input_kwarg_layouts`` / ``desired_input_kwarg_layouts``: the same for keyword
+    arguments, by name (unnamed keywords pass through). ``use_local_output=True`` hands the module
+    the local tensors instead of DTensors.
+
+    Example (a block whose first input is sequence-sharded and whose second is a plain rotary
+    table): ``PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))``.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_output: bool = False,
+    ):
+        self.input_layouts = _as_layouts(input_layouts, "PrepareModuleInput.input_layouts")
+        self.desired_input_layouts = _as_layouts(desired_input_layouts, "PrepareModuleInput.desired_input_layouts")
+        self.use_local_output = use_local_output
+        if self.input_layouts is not None:
+            if self.desired_input_layouts is None:
+                raise ValueError("PrepareModuleInput: desired_input_layouts is required with input_layouts")
+            if len(self.input_layouts) != len(self.desired_input_layouts):
+                raise ValueError(
+                    f"PrepareModuleInput: input_layouts ({len(self.input_layouts)} entries) and "
+                    f"desired_input_layouts ({len(self.desired_input_layouts)}) must have the same length"
+                )
+        self.with_kwargs = input_kwarg_layouts is not None
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        if self.with_kwargs and len(self.input_kwarg_layouts) != len(self.desired_input_kwarg_layouts):
+            raise ValueError(
+                "PrepareModuleInput: input_kwarg_layouts and desired_input_kwarg_layouts must have the same length"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
+            f"desired_input_layouts={self.desired_input_layouts}, input_kwarg_layouts={self.input_kwarg_layouts}, "
+            f"desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, use_local_output={self.use_local_output})"
+        )
+
+    def _prepare_inputs(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        if self.input_layouts is None:
+            return inputs
+        if not isinstance(inputs, tuple):
+            inputs = (inputs,)
+        if len(inputs) != len(self.input_layouts):
+            raise ValueError(
+                f"PrepareModuleInput: {type(module).__name__} got {len(inputs)} positional inputs but "
+                f"input_layouts has {len(self.input_layouts)} entries"
+            )
+        what = f"PrepareModuleInput({type(module).__name__})"
+        return tuple(
+            _convert(x, mesh, layout, desired, self.use_local_output, what)
+            for x, layout, desired in zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
+        )
+
+    def _prepare_kwargs(self, module: nn.Module, kwargs: dict, mesh: DeviceMesh) -> dict:
+        what = f"PrepareModuleInput({type(module).__name__})"
+        return {
+            key: _convert(
+                value,
+                mesh,
+                self.input_kwarg_layouts.get(key),
+                self.desired_input_kwarg_layouts.get(key),
+                self.use_local_output,
+                f"{what} keyword {key!r}",
+            )
+            for key, value in kwargs.items()
+        }
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.with_kwargs:
+            module.register_forward_pre_hook(
+                lambda mod, args, kwargs: (
+                    self._prepare_inputs(mod, args, device_mesh),
+                    self._prepare_kwargs(mod, kwargs, device_mesh),
+                ),
+                with_kwargs=True,
+            )
+        else:
+            module.register_forward_pre_hook(lambda mod, args: self._prepare_inputs(mod, args, device_mesh))
+        return module
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Convert a module's outputs at runtime (a forward hook), as in torch.
+
+    ``output_layouts``: one placement per output (a single placement = one output; a tuple for a
+    module returning a tuple), the layout a plain-tensor output is annotated with (a DTensor output
+    is taken as it is); ``None`` entries pass that output through. ``desired_output_layouts``
+    (same length): what each is redistributed to. ``use_local_output=True`` (the default) returns
+    local tensors. A single output comes back as itself, several as a tuple.
+    """
+
+    def __init__(
+        self,
+        *,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement | None, ...],
+        use_local_output: bool = True,
+    ):
+        self.output_layouts = _as_layouts(output_layouts, "PrepareModuleOutput.output_layouts")
+        self.desired_output_layouts = _as_layouts(desired_output_layouts, "PrepareModuleOutput.desired_output_layouts")
+        if self.output_layouts is None or self.desired_output_layouts is None:
+            raise ValueError("PrepareModuleOutput: output_layouts and desired_output_layouts are required")
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError(
+                f"PrepareModuleOutput: output_layouts ({len(self.output_layouts)} entries) and "
+                f"desired_output_layouts ({len(self.desired_output_layouts)}) must have the same length"
+            )
+        self.use_local_output = use_local_output
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(output_layouts={self.output_layouts}, "
+            f"desired_output_layouts={self.desired_output_layouts}, use_local_output={self.use_local_output})"
+        )
+
+    def _prepare_outputs(self, module: nn.Module, outputs, mesh: DeviceMesh):
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if len(outs) != len(self.output_layouts):
+            raise ValueError(
+                f"PrepareModuleOutput: {type(module).__name__} returned {len(outs)} outputs but output_layouts "
+                f"has {len(self.output_layouts)} entries"
+            )
+        what = f"PrepareModuleOutput({type(module).__name__})"
+        prepared = tuple(
+            _convert(y, mesh, layout, desired, self.use_local_output, what)
+            for y, layout, desired in zip(outs, self.output_layouts, self.desired_output_layouts, strict=True)
+        )
+        return prepared[0] if len(prepared) == 1 else prepared
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda mod, _inputs, outputs: self._prepare_outputs(mod, outputs, device_mesh))
+        return module
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """``PrepareModuleInput`` and ``PrepareModuleOutput`` in one style (torch's arguments:
+    ``use_local_input`` for the inputs, ``use_local_output`` for the outputs)."""
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_input: bool = False,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement | None, ...],
+        use_local_output: bool = True,
+    ):
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input,
+        )
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.prepare_module_input!r}, {self.prepare_module_output!r})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input._apply(module, device_mesh)
+        self.prepare_module_output._apply(module, device_mesh)
+        return module

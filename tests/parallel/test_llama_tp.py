@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpservice.dtensor import DTensor, init_device_mesh
+from hpservice.dtensor import DTensor, Shard, init_device_mesh
 from hpservice.models.llama import Llama, LlamaConfig
 from hpservice.parallel import apply_llama_tp, llama_tp_plan, vocab_parallel_cross_entropy
 from hpservice.spec import parse_job
@@ -44,7 +44,8 @@ def _model_vs_single(tp):
             grad = grad.full_tensor()
             sharded += 1
         torch.testing.assert_close(grad, ref_params[name].grad, atol=1e-5, rtol=0, msg=name)
-    assert sharded == 7 * 2 + 1
+    assert sharded == 7 * 2 + 2  # the blocks' projections, the head and the vocab-parallel embedding
+    assert model.tok_embeddings.weight.placements == (Shard(0),)
 
 
 def test_llama_tp_matches_single_device(ranks):
