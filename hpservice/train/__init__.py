@@ -1,5 +1,15 @@
 """hpservice.train: the training runtime of a job (also runs alone: torchrun -m hpservice.train job.yaml)."""
 
-from ._trainer import Trainer, TrainingError, apply_fsdp, build_mesh, init_distributed, lr_lambda
+from ._grad_norm import clip_grad_norm_
+from ._trainer import Trainer, TrainingError, apply_fsdp, apply_tp, build_mesh, init_distributed, lr_lambda
 
-__all__ = ["Trainer", "TrainingError", "apply_fsdp", "build_mesh", "init_distributed", "lr_lambda"]
+__all__ = [
+    "Trainer",
+    "TrainingError",
+    "apply_fsdp",
+    "apply_tp",
+    "build_mesh",
+    "clip_grad_norm_",
+    "init_distributed",
+    "lr_lambda",
+]

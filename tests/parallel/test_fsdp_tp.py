@@ -13,8 +13,7 @@ from hpservice.dtensor import DTensor, Replicate, Shard, init_device_mesh
 from hpservice.fsdp import fully_shard
 from hpservice.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from hpservice.spec import parse_job
-from hpservice.train import Trainer
-from hpservice.train._grad_norm import clip_grad_norm_
+from hpservice.train import Trainer, clip_grad_norm_
 
 
 def _mlp():
