@@ -12,8 +12,10 @@ Supported here:
 - random ops (``uniform_``, ``normal_``, ``bernoulli_``, ``native_dropout``...) through the RNG
   tracker in ``random.py``;
 - ops with a sharding rule in ``_ops.RULES`` (mm/addmm/bmm, t/transpose/permute, view/
-  _unsafe_view/expand/unsqueeze/squeeze, sum/mean, embedding, native_layer_norm, _softmax,
-  _log_softmax and their backwards): the rule picks target input specs and the output spec, or
+  _unsafe_view/expand/unsqueeze/squeeze, sum/mean, amax/amin/max/min/argmax/argmin, cat/stack/
+  split/unbind/slice/select, new_* factories, scatter/gather, embedding, native_layer_norm,
+  _fused_rms_norm, _softmax, _log_softmax, nll_loss(2d) and their backwards; a tensor-list
+  argument such as ``cat``'s counts as its elements): the rule picks target input specs and the output spec, or
   one spec per output (cached); operands that differ are redistributed into new DTensors (never
   in place) before the op runs on the local tensors;
 - any op whose DTensor operands are all fully replicated.

@@ -5,8 +5,11 @@ input's placements; each output and gradient compared with the single-device op,
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from hpservice.dtensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from hpservice.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh, random
+from hpservice.dtensor._dispatch import dispatch
+from hpservice.dtensor._ops import decide
 
 from ._compare import _compare, _randn
 
@@ -132,3 +135,160 @@ def _check_cat_split(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_cat_stack_split_slice(ranks, world):
     ranks(world).run(_check_cat_split, world)
+
+
+# ---- dropout --------------------------------------------------------------------------------------
+
+
+def _dropout_run(x, mesh, placements, p, g, op):
+    random.manual_seed(5)
+    d = distribute_tensor(x, mesh, placements, src_data_rank=None).requires_grad_()
+    out = op(d, p)
+    assert isinstance(out, DTensor) and out.placements == tuple(placements)
+    full = out.full_tensor()
+    (full * g).sum().backward()
+    return full, d.grad.full_tensor(), random.get_rng_state()
+
+
+def _check_dropout(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    n = len(mesh_shape)
+    ops = {
+        "F.dropout": lambda t, p: F.dropout(t, p, training=True),  # CPU: empty_like + bernoulli_ + mul
+        "native_dropout": lambda t, p: torch.native_dropout(t, p, True)[0],  # the fused (CUDA) path
+    }
+    for shape in [(7, 9, 5), (3, 23000)]:  # uneven; the second spans two RNG blocks
+        x = _randn(*shape, seed=7) + 3  # no zeros: a zero in the output is a dropped element
+        g = _randn(*shape, seed=8)
+        for name, op in ops.items():
+            for p in (0.3, 0.5):
+                # The single-device computation: every rank holds the whole tensor (Replicate).
+                ref, ref_grad, state = _dropout_run(x, mesh, [R] * n, p, g, op)
+                keep = ref != 0
+                assert abs((1 - keep.float().mean()) - p) < 0.2, (name, p)
+                torch.testing.assert_close(ref, x * keep / (1 - p))
+                torch.testing.assert_close(ref_grad, g * keep / (1 - p))
+                layouts = [[Shard(0)] * n, [Shard(1)] + [R] * (n - 1), [R] * (n - 1) + [Shard(len(shape) - 1)]]
+                for placements in layouts:
+                    out, grad, st = _dropout_run(x, mesh, placements, p, g, op)
+                    assert torch.equal(out, ref), (name, placements)
+                    assert torch.equal(grad, ref_grad), (name, placements)
+                    assert st == state  # the offset advances by the global numel on every rank
+    d = distribute_tensor(_randn(5, 3), mesh, [Shard(0)] * n)
+    assert torch.equal(F.dropout(d, 0.5, training=False).to_local(), d.to_local())
+    return True
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(2, (2,)), (4, (4,)), (4, (2, 2))])
+def test_dropout_equals_single_device_for_any_sharding(ranks, world, mesh_shape):
+    ranks(world).run(_check_dropout, mesh_shape)
+
+
+# ---- cross-entropy on batch / sequence shards -----------------------------------------------------
+
+
+def _check_cross_entropy(world):
+    mesh = init_device_mesh("cpu", (world,))
+    B, S, V = 5, 3, 11
+    logits = _randn(B, S, V, seed=9) * 2
+    target = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(10))
+    weight = _randn(V, seed=11).abs() + 0.5
+    for ignore in (-100, 4):
+        t = target.clone()
+        t[0, 2] = ignore
+        t[4, :] = ignore  # a whole batch row ignored: one rank's piece may have no weight at all
+        for reduction in ("mean", "sum", "none"):
+            kw = dict(ignore_index=ignore, reduction=reduction)
+
+            def ce3(lg, tg, kw=kw):  # [B, S, V] -> [B, V, S]: nll_loss2d
+                return F.cross_entropy(lg.transpose(1, 2), tg, **kw)
+
+            def ce2(lg, tg, kw=kw):  # [N, V]: nll_loss
+                return F.cross_entropy(lg, tg, **kw)
+
+            def ce_w(lg, tg, kw=kw):
+                w = distribute_tensor(weight, mesh, [R]) if isinstance(lg, DTensor) else weight
+                return F.cross_entropy(lg, tg, weight=w, **kw)
+
+            for pl in (Shard(0), Shard(1), R):
+                out = _compare(ce3, [logits, t], [[pl], [pl]], mesh)
+                if reduction == "none":
+                    assert out.placements == (pl,)
+                else:
+                    assert out.placements == ((R,) if pl == R else (P,))
+            flat, tf = logits.flatten(0, 1), t.flatten()
+            for pls in ([[Shard(0)], [Shard(0)]], [[Shard(0)], [R]], [[R], [Shard(0)]]):
+                out = _compare(ce2, [flat, tf], pls, mesh)
+                assert out.placements == ((Shard(0),) if reduction == "none" else (P,))
+                _compare(ce_w, [flat, tf], pls, mesh)
+    # total_weight: the global sum of the target weights (mean: Replicate; sum: Partial(sum)).
+    lp = F.log_softmax(logits.flatten(0, 1), -1)
+    tf = t.flatten()
+    for reduction in (1, 2):
+        ref = torch.ops.aten.nll_loss_forward(lp, tf, weight, reduction, 4)
+        got = torch.ops.aten.nll_loss_forward(
+            distribute_tensor(lp, mesh, [Shard(0)]),
+            distribute_tensor(tf, mesh, [Shard(0)]),
+            distribute_tensor(weight, mesh, [R]),
+            reduction,
+            4,
+        )
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a.full_tensor(), b)
+    # Sharded on the class dim: a clear error naming vocab_parallel_cross_entropy.
+    with pytest.raises(NotImplementedError, match="vocab_parallel_cross_entropy"):
+        F.nll_loss(distribute_tensor(lp, mesh, [Shard(1)]), distribute_tensor(tf, mesh, [R]))
+    with pytest.raises(NotImplementedError, match="distribute the target like the input"):
+        F.cross_entropy(distribute_tensor(logits.flatten(0, 1), mesh, [Shard(0)]), tf)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_batch_sharded_cross_entropy(ranks, world):
+    ranks(world).run(_check_cross_entropy, world)
+
+
+# ---- norms keep the input's batch / sequence shards (AUDIT 9) -------------------------------------
+
+
+def _check_audit_09_norms(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    n = len(mesh_shape)
+    x, w, b = _randn(5, 7, 12, seed=12), _randn(12, seed=13), _randn(12, seed=14)
+    norms = {
+        "rms_norm": (lambda t, ww: F.rms_norm(t, (12,), ww, 1e-6), [x, w]),
+        "rms_norm_default_eps": (lambda t, ww: F.rms_norm(t, (12,), ww), [x, w]),
+        "layer_norm": (lambda t, ww, bb: F.layer_norm(t, (12,), ww, bb), [x, w, b]),
+    }
+    layouts = [[Shard(0)] + [R] * (n - 1), [Shard(1)] + [R] * (n - 1)]
+    if n == 2:
+        layouts += [[Shard(0), Shard(1)], [Shard(1), Shard(1)], [Shard(1), Shard(0)]]
+    for name, (fn, fulls) in norms.items():
+        for placements in layouts:
+            # _compare checks the output and the gradients of x, the weight (and the bias).
+            out = _compare(fn, fulls, [placements] + [[R] * n] * (len(fulls) - 1), mesh, atol=1e-5)
+            assert out.placements == tuple(placements), (name, placements, out.placements)
+            assert out.to_local().shape == distribute_tensor(x, mesh, placements).to_local().shape
+    # CUDA builds run F.rms_norm as aten._fused_rms_norm (+ backward), which then reaches the
+    # dispatcher; on CPU it decomposes, so call the rule through dispatch directly here (the
+    # backward kernel exists only on CUDA: its decision is checked).
+    aten = torch.ops.aten
+    ref_out, ref_rstd = aten._fused_rms_norm.default(x, [12], w, 1e-6)
+    wd = distribute_tensor(w, mesh, [R] * n)
+    for placements in [*layouts, [Shard(2)] + [R] * (n - 1)]:
+        d = distribute_tensor(x, mesh, placements)
+        out, rstd = dispatch(aten._fused_rms_norm.default, (d, [12], wd, 1e-6), {})
+        keep = tuple(R if p == Shard(2) else p for p in placements)
+        assert out.placements == rstd.placements == keep and rstd.shape == (5, 7, 1)
+        torch.testing.assert_close(out.full_tensor(), ref_out)
+        torch.testing.assert_close(rstd.full_tensor(), ref_rstd)
+        frozen = (out._spec, d._spec, (12,), rstd._spec, wd._spec, (True, True))
+        grad_in, grad_w = decide(aten._fused_rms_norm_backward.default, frozen, ()).out
+        assert grad_in.placements == keep
+        assert grad_w.placements == tuple(P if p.is_shard() else R for p in keep)
+    return True
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(2, (2,)), (4, (4,)), (4, (2, 2))])
+def test_audit_09_rms_norm_and_layer_norm_keep_batch_and_sequence_shards(ranks, world, mesh_shape):
+    ranks(world).run(_check_audit_09_norms, mesh_shape)

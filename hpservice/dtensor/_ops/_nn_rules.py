@@ -9,7 +9,12 @@
   Shard(-1) -> Shard(1); otherwise replicated.
 - ``native_layer_norm`` (+ backward), ``_softmax`` / ``_log_softmax`` (+ backward): dims that are
   not normalised keep their shards (the main output keeps the input's placements); a normalised
-  dim that is sharded, or a Partial, is gathered / reduced to Replicate first.
+  dim that is sharded, or a Partial, is gathered / reduced to Replicate first. ``_fused_rms_norm``
+  (+ backward; reached on CUDA builds) likewise.
+- ``nll_loss_forward`` / ``nll_loss2d_forward`` (+ backward): input and target sharded alike on
+  batch / position dims; "mean" divides local sums by the global total weight (Partial(sum)
+  output), "sum" gives Partial(sum), "none" keeps the target's shards. A class-dim shard raises,
+  pointing to ``hpservice.parallel.vocab_parallel_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -198,3 +203,116 @@ def _softmax_backward_rule(func, args, kwargs) -> Decision:
     placements = [_common([po, pg], {dim}) for po, pg in zip(out.placements, grad.placements, strict=True)]
     target = _spec(out, placements, out.shape)
     return Decision((_spec(grad, placements, grad.shape), target), target)
+
+
+# ---- nll_loss (cross-entropy on batch / sequence shards) ------------------------------------------
+
+
+def _nll_placements(x: DTensorSpec, target: DTensorSpec, func):
+    """Per mesh dim, the (input, target) placements: a shard of a batch / position dim of the
+    input ([N, C, *]) pairs with the same dim of the target ([N, *]); the class dim is refused."""
+    cdim = 1 if x.ndim >= 2 else 0
+    if target.ndim != max(x.ndim - 1, 0):
+        raise RuleError(f"input {list(x.shape)} and target {list(target.shape)} do not match")
+    tx, tt = [], []
+    for px, pt in zip(x.placements, target.placements, strict=True):
+        if px.is_shard(cdim):
+            raise RuleError(
+                f"the input is sharded on its class dim {cdim} ({px}): cross-entropy over a vocabulary-sharded "
+                "input is hpservice.parallel.vocab_parallel_cross_entropy(logits, target); or redistribute the "
+                f"input to Replicate on dim {cdim} first"
+            )
+        if px.is_shard():
+            tx.append(px)
+            tt.append(Shard(px.dim - (px.dim > cdim)))
+        elif pt.is_shard() and x.ndim >= 2:
+            tt.append(pt)
+            tx.append(Shard(pt.dim + (pt.dim >= cdim)))
+        else:
+            tx.append(_R)
+            tt.append(_R)
+    return tx, tt
+
+
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_loss_rule(func, args, kwargs) -> Decision:
+    """Input and target sharded alike on a batch / position dim. "none": the loss keeps the
+    target's shards; "sum": the local sums are Partial(sum) (total_weight too); "mean": each rank
+    divides its local sum by the global total weight (one all-reduce of a scalar), so the
+    Partial(sum) of those is the global mean for any shard sizes and ignore_index;
+    total_weight is then the global (Replicate) value."""
+    x, target, weight, reduction = args[0], args[1], args[2], args[3]
+    if not isinstance(x, DTensorSpec) or not isinstance(target, DTensorSpec):
+        raise RuleError("input and target must both be DTensors (distribute the target like the input)")
+    tx, tt = _nll_placements(x, target, func)
+    sharded = tuple(i for i, p in enumerate(tt) if p.is_shard())
+    targets = [_spec(x, tx, x.shape), _spec(target, tt, target.shape), *_replicated_targets([weight])]
+    partial = [Partial("sum") if i in sharded else _R for i in range(len(tt))]
+    scalar = DTensorSpec(x.mesh, tuple(partial), ())
+    if reduction == 0:  # none
+        out = (DTensorSpec(x.mesh, tuple(tt), target.shape), DTensorSpec(x.mesh, (_R,) * len(tt), ()))
+        return Decision(tuple(targets), out)
+    if reduction == 2 or not sharded:  # sum (or nothing sharded: the local op is the global one)
+        tw = scalar if reduction == 2 else DTensorSpec(x.mesh, (_R,) * len(tt), ())
+        return Decision(tuple(targets), (scalar, tw))
+    local_fn = functools.partial(_local_nll_mean, mesh=x.mesh, mesh_dims=sharded)
+    return Decision(tuple(targets), (scalar, DTensorSpec(x.mesh, (_R,) * len(tt), ())), local_fn=local_fn)
+
+
+def _local_nll_mean(func, args, kwargs, *, mesh, mesh_dims):
+    import torch.distributed as dist
+
+    x, target, weight, _, ignore_index = args[:5]
+    local_sum, total_weight = func(x, target, weight, 2, ignore_index)
+    total_weight = total_weight.clone()
+    for i in mesh_dims:
+        dist.all_reduce(total_weight, group=mesh.get_group(i))
+    return local_sum / total_weight, total_weight
+
+
+@register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def _nll_loss_backward_rule(func, args, kwargs) -> Decision:
+    grad, x, target, weight, reduction, _, total_weight = args[:7]
+    if not all(isinstance(s, DTensorSpec) for s in (grad, x, target, total_weight)):
+        raise RuleError("grad_output, input, target and total_weight must be DTensors")
+    tx, tt = _nll_placements(x, target, func)
+    # "none": the grad follows the target; otherwise it is a scalar. "mean" needs the global total weight.
+    tgrad = _spec(grad, tt if reduction == 0 else [_R] * len(tt), grad.shape)
+    ttw = _spec(total_weight, [_R] * len(tt), ()) if reduction == 1 else total_weight
+    targets = [tgrad, _spec(x, tx, x.shape), _spec(target, tt, target.shape), *_replicated_targets([weight]), ttw]
+    return Decision(tuple(targets), _spec(x, tx, x.shape))
+
+
+# ---- fused RMSNorm (CUDA builds; on CPU F.rms_norm decomposes into pow/mean/rsqrt/mul) ------------
+
+
+@register(aten._fused_rms_norm.default)
+def _fused_rms_norm_rule(func, args, kwargs) -> Decision:
+    """Like ``native_layer_norm``: dims that are not normalised keep their shards (the output keeps
+    the input's placements, AUDIT 9), a normalised dim that is sharded or a Partial is gathered /
+    reduced first; the weight is replicated. Outputs: (out, rstd)."""
+    x, normalized_shape = args[0], args[1]
+    if not isinstance(x, DTensorSpec):
+        raise RuleError("the input must be a DTensor")
+    axis, n = _norm_dims(x, normalized_shape)
+    placements = [_common([p], set(range(axis, n))) for p in x.placements]
+    stats = DTensorSpec(x.mesh, tuple(placements), (*x.shape[:axis], *([1] * (n - axis))))
+    targets = [_spec(x, placements, x.shape), *_replicated_targets(args[2:3])]
+    return Decision(tuple(targets), (_spec(x, placements, x.shape), stats))
+
+
+@register(aten._fused_rms_norm_backward.default)
+def _fused_rms_norm_backward_rule(func, args, kwargs) -> Decision:
+    grad, x, normalized_shape, rstd, weight = args[:5]
+    if not all(isinstance(s, DTensorSpec) for s in (grad, x, rstd)):
+        raise RuleError("grad_output, input and rstd must be DTensors")
+    axis, n = _norm_dims(x, normalized_shape)
+    forbidden = set(range(axis, n))
+    placements = [
+        _common([x.placements[i], grad.placements[i], rstd.placements[i]], forbidden) for i in range(len(x.placements))
+    ]
+    targets = [_spec(s, placements, s.shape) for s in (grad, x, rstd)]
+    targets += _replicated_targets((weight,))
+    param = [Partial("sum") if p.is_shard() else _R for p in placements]
+    grad_w = DTensorSpec(x.mesh, tuple(param), weight.shape) if isinstance(weight, DTensorSpec) else None
+    return Decision(tuple(targets), (_spec(x, placements, x.shape), grad_w))
