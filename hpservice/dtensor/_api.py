@@ -303,7 +303,7 @@ def distribute_tensor(
     if coord is None:
         raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
     local, fresh = tensor.detach(), False
-    if local.device.type != mesh.device_type:
+    if local.device.type != mesh.device_type and not local.is_meta:  # meta stays meta (materialised later)
         local, fresh = local.to(_comm_device(mesh)), True
     for mesh_dim, p in enumerate(placements):
         k, index = mesh.size(mesh_dim), coord[mesh_dim]

@@ -1,8 +1,9 @@
 """The training loop of a job. It knows nothing of Ray: it runs under torchrun, in a test's rank
 pool, or inside a Ray worker actor, wherever torch.distributed's env:// variables are set.
 
-Read it top to bottom: ``Trainer.__init__`` builds the mesh, the model (on the meta device, then
-sharded and initialised shard by shard), the optimizer, the LR schedule, the data and the
+Read it top to bottom: ``Trainer.__init__`` builds the mesh ("dp_replicate" x "dp_shard" x "tp"),
+the model (on the meta device, laid out by tensor parallelism and fully_shard, then each rank
+allocates and initialises only its own pieces), the optimizer, the LR schedule, the data and the
 checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves checkpoints.
 """
 
@@ -103,32 +104,64 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec, device: torch.device) -> None:
-    """Tensor parallelism on the 1-d "tp" mesh: materialise the meta model on ``device``, initialise
-    it with the DTensor RNG (every parameter a Replicate DTensor for the init, so the values are the
-    ones a data-parallel or single-device run of the same seed gets, and equal on every rank), then
-    apply the built-in Llama's plan (``apply_llama_tp``: slices the parameters locally).
-    ``apply_fsdp`` may then shard the result over the data-parallel dims."""
+def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
+    """Tensor parallelism on the 1-d "tp" mesh: the built-in Llama's plan (``apply_llama_tp``).
+    On a meta-device model it only records layouts: each rank later allocates its own pieces."""
     if not isinstance(model, Llama):
         raise TrainingError(f"parallelism.tp > 1 supports the built-in llama only, got {type(model).__name__}")
-    model.to_empty(device=device)
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                dt = distribute_tensor(param.detach(), mesh, [Replicate()], src_data_rank=None)
-                module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-    dtensor_random.manual_seed(spec.training.seed)
-    with torch.no_grad():
-        model.init_weights()
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                local = param.detach().to_local().clone()
-                module.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
     try:
         apply_llama_tp(model, mesh)
     except ValueError as e:
         raise TrainingError(str(e)) from e
+
+
+def _grad_to_layout(spec, grad: DTensor) -> DTensor:
+    if grad._spec.placements == spec.placements:
+        return grad
+    return grad.redistribute(spec.mesh, spec.placements)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) every meta parameter and buffer on ``device``; a DTensor parameter
+    gets only its local piece. ``nn.Module.to_empty`` is not used: it swaps DTensor parameters in
+    place, after which their gradient hooks (which give a gradient its parameter's layout, e.g.
+    slice the replicated gradient of a vocab-parallel embedding) no longer fire, so new
+    parameters are registered with the hook."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if isinstance(param, DTensor):
+                local = torch.empty_like(param._local_tensor, device=device)
+                new = nn.Parameter(DTensor(local, param._spec), requires_grad=param.requires_grad)
+                if new.requires_grad:
+                    new.register_hook(functools.partial(_grad_to_layout, param._spec))
+            else:
+                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            module.register_parameter(name, new)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device.type == "meta":
+                module._buffers[name] = torch.empty_like(buf, device=device)
+
+
+def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
+    """Run the model's own ``init_weights()`` with the sharding-independent DTensor RNG, so every
+    layout (FSDP, HSDP, tp, one process) starts from the same values for the same seed. Parameters
+    that are still plain tensors (replicated ones under tp alone) are wrapped as Replicate DTensors
+    on ``mesh`` for the init, so they draw from the same RNG stream, then unwrapped."""
+    plain = []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                dt = distribute_tensor(param.detach(), mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+                plain.append((module, name))
+    dtensor_random.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    for module, name in plain:
+        param = module._parameters[name]
+        module.register_parameter(name, nn.Parameter(param.detach().to_local(), requires_grad=param.requires_grad))
 
 
 def build_optimizer(model: nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
@@ -191,24 +224,23 @@ class Trainer:
             for i in range(self.dp_mesh.ndim):  # row-major over (dp_replicate, dp_shard)
                 self.dp_rank = self.dp_rank * self.dp_mesh.size(i) + self.dp_mesh.get_local_rank(i)
 
+        # Built on the meta device, laid out (tp, then fully_shard over the dp dims), then each rank
+        # allocates and initialises only its own pieces: the full model never exists on one rank.
         m = spec.model
         self.model = build_model(m.name, m.flavor, m.overrides, device="meta")
         if self.tp:
-            # The tp path materialises the (replicated) model on every rank before slicing it.
-            apply_tp(self.model, self.mesh["tp"], spec, self.device)
-            if self.dp_mesh is not None:
-                apply_fsdp(self.model, self.dp_mesh, spec)
-            elif spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
+            apply_tp(self.model, self.mesh["tp"], spec)
+        self.fsdp = self.dp_mesh is not None
+        if self.fsdp:
+            apply_fsdp(self.model, self.dp_mesh, spec)
+        else:  # tp alone: allocate the local pieces (DTensor parameters keep their identity and hooks)
+            if spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
                 raise TrainingError(
                     "parallelism.mixed_precision and cpu_offload come from fully_shard: with tp alone (data-parallel "
                     "size 1) they are not built yet; use dp_shard >= 2 or set them to none/false"
                 )
-        else:
-            apply_fsdp(self.model, self.dp_mesh, spec)
-            dtensor_random.manual_seed(spec.training.seed)
-            with torch.no_grad():
-                self.model.init_weights()  # shard by shard: the full model never exists on one rank
-        self.fsdp = self.dp_mesh is not None
+            materialize(self.model, self.device)
+        init_weights(self.model, self.mesh, spec.training.seed)
 
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
