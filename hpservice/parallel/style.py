@@ -10,8 +10,9 @@ On an ``nn.Embedding``: ``ColwiseParallel`` shards the embedding dim (weight ``S
 ``Shard(0)``, ids ``Replicate``, each rank looks up only its own ids: a Partial output, reduced to
 ``Replicate`` by default).
 
-A parameter's gradient is redistributed to the parameter's placements (a hook), so the optimizer
-sees matching layouts (the vocab-parallel embedding's gradient comes back replicated and is
+A parameter's gradient is redistributed to the parameter's placements (a tensor hook, put back
+before each forward when the parameter was replaced, e.g. by ``to_empty`` or a checkpoint load),
+so the optimizer sees matching layouts (the vocab-parallel embedding's gradient comes back replicated and is
 sliced locally: no communication). With ``use_local_output=True`` the output is the local ``torch.Tensor``, so plain
 modules (an activation) can sit between a colwise and a rowwise layer.
 
@@ -27,6 +28,12 @@ sequence dim (sequence parallelism).
 ``PrepareModuleOutput`` / ``PrepareModuleInputOutput`` only convert a module's inputs / outputs
 (plain tensors are annotated with ``DTensor.from_local`` in the given layout, then redistributed
 to the desired one; ``None`` entries are passed through).
+
+Differences from torch: a DTensor input or output is always brought to the desired layout (torch
+skips the redistribution when ``input_layouts == desired_input_layouts``, even if the DTensor has
+another layout); bad arguments raise ``ValueError`` / ``TypeError`` (torch: ``AssertionError``);
+a plain tensor annotated with a ``Shard`` layout may be an uneven ``torch.chunk`` piece (its global
+size is gathered; torch assumes even pieces).
 
 Parameters are sliced locally (``distribute_tensor(..., src_data_rank=None)``): no communication,
 so every rank must hold the same initial weights (seed the init identically).
@@ -67,10 +74,37 @@ def _distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement:
         raise ValueError(f"{type(module).__name__}.{name} is already a DTensor")
     dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
     new = nn.Parameter(dt, requires_grad=param.requires_grad)
-    if new.requires_grad:
-        placements = new.placements
-        new.register_hook(lambda g: g if g.placements == placements else g.redistribute(mesh, placements))
+    _grad_to_layout(new)
     module.register_parameter(name, new)
+
+
+_HOOKED = "_hpservice_grad_to_layout"
+
+
+def _grad_to_layout(param) -> None:
+    """Give ``param``'s gradient ``param``'s own layout (a tensor hook, registered once per tensor).
+
+    Parameters get replaced or swapped after a plan is applied (``to_empty`` from the meta device
+    drops tensor hooks and the tensor's attributes together, a checkpoint load or ``fully_shard``
+    installs other tensors), so the styles call this again before every forward on the parameters
+    the module holds then; the marker attribute makes it a no-op where the hook is in place.
+    """
+    if not isinstance(param, DTensor) or not param.requires_grad or getattr(param, _HOOKED, False):
+        return
+    mesh, placements = param.device_mesh, param.placements
+    stale = param.is_leaf and param._backward_hooks is not None
+    param.register_hook(lambda g: g if g.placements == placements else g.redistribute(mesh, placements))
+    if stale:
+        # ``torch.utils.swap_tensors`` (``to_empty``) keeps the Python dict of hooks but not its
+        # installation on the new tensor, and ``register_hook`` only installs a new dict: install
+        # it again (it holds the hooks registered on this parameter before, which fire again too).
+        param._backward_hooks = param._backward_hooks
+    setattr(param, _HOOKED, True)
+
+
+def _grad_hooks_pre_forward(module: nn.Module, _inputs) -> None:
+    for param in module.parameters():
+        _grad_to_layout(param)
 
 
 class _Contiguous(torch.autograd.Function):
@@ -161,6 +195,7 @@ class _LinearStyle(ParallelStyle):
                 f"{type(self).__name__} supports nn.Linear and nn.Embedding only (got {type(module).__name__})"
             )
         layout = self._input_layouts if self._input_layouts is not None else default_input
+        module.register_forward_pre_hook(_grad_hooks_pre_forward)
         module.register_forward_pre_hook(lambda _m, inputs: self._prepare_input(inputs, device_mesh, layout, desired))
         module.register_forward_hook(lambda _m, _inputs, out: self._prepare_output(out, device_mesh))
         return module
@@ -239,6 +274,7 @@ class SequenceParallel(ParallelStyle):
         for submodule in module.modules():
             for name in [n for n, p in submodule.named_parameters(recurse=False) if p is not None]:
                 _distribute_param(submodule, name, device_mesh, Replicate())
+        module.register_forward_pre_hook(_grad_hooks_pre_forward)
         module.register_forward_pre_hook(lambda mod, inputs: self._prepare_input(mod, inputs, device_mesh))
         module.register_forward_hook(lambda _m, _inputs, out: self._prepare_output(out))
         return module
