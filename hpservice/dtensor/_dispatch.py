@@ -314,11 +314,10 @@ def _pointwise_general(func, args: tuple, kwargs: dict):
             s = a._spec
             if s is not spec and not (_is_scalar(a) and a._spec.mesh == spec.mesh):
                 if not _compatible(s, spec):
-                    if s.shape != spec.shape or s.has_partial() or spec.has_partial():
-                        return _pointwise_redistribute(func, args, kwargs)
-                    raise _unsupported(
-                        func, [*dts, a], "operands need identical placements and shapes; redistribute one of them first"
-                    )
+                    # Different layouts (broadcasting, Partial, or e.g. a replicated gradient of a
+                    # sharded parameter in an optimizer's in-place op): the rule redistributes the
+                    # other operands to the output's (``self``'s for in-place ops) layout.
+                    return _pointwise_redistribute(func, args, kwargs)
                 dts.append(a)
             elif s is spec:
                 dts.append(a)

@@ -131,10 +131,11 @@ def _check_errors_and_no_mutation():
         torch.cumsum(a, 0)
     with pytest.raises(NotImplementedError, match=r"aten.sort.default on DTensor placements \[\(S\(0\)\)\]"):
         torch.sort(a)
-    # Same shape, different shard placements: still an explicit error (redistribute first).
+    # Same shape, different shard placements: b is redistributed to a's layout (a new DTensor).
     b = distribute_tensor(_randn(4, 5, seed=2), mesh, [Shard(1)])
-    with pytest.raises(NotImplementedError, match=r"aten.add.Tensor on DTensor placements \[\(S\(0\)\), \(S\(1\)\)\]"):
-        a + b
+    ab = a + b
+    assert ab.placements == (Shard(0),)
+    torch.testing.assert_close(ab.full_tensor(), a.full_tensor() + b.full_tensor())
     with pytest.raises(NotImplementedError, match="in-place"):
         distribute_tensor(_randn(4, 5, seed=3), mesh, [P]).add_(distribute_tensor(_randn(5), mesh, [R]))
     # Automatic redistribution never writes or re-places the operands.
