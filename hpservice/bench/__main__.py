@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import fsdp, redistribute, service
+from hpservice.bench import fsdp, redistribute, service, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     redistribute.add_parser(sub)
     fsdp.add_parser(sub)
     service.add_parser(sub)
+    tp.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,487 @@
+"""Tensor-parallel benchmark: ``hpservice.parallel`` against ``torch.distributed.tensor.parallel``.
+
+What is measured: whole training steps (``zero_grad``, forward, loss, backward, AdamW ``step``)
+of the same model, from the same initial values, on the same data, in three configurations:
+
+- ``ours``   ``hpservice.parallel`` on an ``hpservice.dtensor`` mesh
+- ``torch``  ``torch.distributed.tensor.parallel`` with the same plan on a torch
+  ``init_device_mesh``
+- ``single`` one process, no parallelism: the loss every other config must match
+
+Models (``--model``):
+
+- ``mlp``: a stack of residual blocks ``x + fc2(gelu(fc1(norm(x))))`` (``Linear(d, 4d)`` and
+  ``Linear(4d, d)`` with biases, a LayerNorm in front), then a final LayerNorm; MSE loss against a
+  random target. Plan: ``fc1`` colwise, ``fc2`` rowwise in every block (both libraries' defaults:
+  plain-tensor input and output, the GELU runs on the local hidden slice). The norms stay plain
+  replicated modules.
+- ``llama``: the built-in ``hpservice.models.llama.Llama``. ours: ``apply_llama_tp`` (no sequence
+  parallelism, vocab-parallel token embedding) and ``vocab_parallel_cross_entropy`` on the
+  vocab-sharded logits. torch: the same module names with torch's styles: ``wq``/``wk``/``wv``/
+  ``w1``/``w3`` ``ColwiseParallel()`` (local outputs, so attention runs on the local heads),
+  ``wo``/``w2`` ``RowwiseParallel()``, ``tok_embeddings`` ``RowwiseParallel(input_layouts=Replicate())``
+  (vocab-parallel lookup), ``output`` ``ColwiseParallel(use_local_output=False)`` and the cross
+  entropy (forward and backward) inside ``loss_parallel()``; each ``Attention``'s ``n_heads`` /
+  ``n_kv_heads`` divided by the tp degree exactly as ``apply_llama_tp`` does.
+
+Tensor parallelism splits the model, not the data: every rank trains on the whole (same) batch,
+and ``single`` trains on that batch too.
+
+The two distributed configs live side by side in the same rank processes (one ``run_ranks``
+call) and take turns one step at a time, rotating which goes first; every step starts with a
+barrier. ``single`` runs afterwards on rank 0 for as many steps.
+
+Per config, reported:
+
+- step ms: each rank's median over the timed steps; the slowest rank's median is reported.
+- tracked MiB/rank: bytes of the parameters, gradients and AdamW state a rank holds after the
+  last step (local tensors of DTensors, ours or torch's); the largest rank is reported.
+- coll/step: backend collectives (``gloo:*`` events of ``torch.profiler``) in one untimed step:
+  the same counter for both libraries.
+- final loss: the loss of the last step (the same on every rank; the mean over ranks is
+  reported), and its distance to the single-process loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpservice.bench.fsdp import _count_profiled, tracked_bytes
+from hpservice.launch import run_ranks
+
+__all__ = ["MLP", "ModelSpec", "add_parser", "bench_rank", "combine", "format_table", "summary"]
+
+CONFIGS = ("ours", "torch")
+REFERENCE = "single"
+LR = 1e-3
+DEFAULT_STEPS = 20
+DEFAULT_WARMUP = 3
+QUICK_STEPS = 3
+QUICK_WARMUP = 1
+_MIB = 2**20
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Model and data sizes. The batch is ``batch x seq`` (rows of the MLP's input, or tokens);
+    the same on every rank. Llama: ``dim``, ``depth``, ``heads``, ``kv_heads``, ``vocab`` are
+    the ``LlamaConfig`` fields ``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``."""
+
+    kind: str  # "mlp" or "llama"
+    dim: int
+    depth: int
+    batch: int
+    seq: int
+    heads: int = 0
+    kv_heads: int = 0
+    vocab: int = 0
+
+    def llama_config(self):
+        from hpservice.models.llama import LlamaConfig
+
+        return LlamaConfig(
+            dim=self.dim,
+            n_layers=self.depth,
+            n_heads=self.heads,
+            n_kv_heads=self.kv_heads,
+            vocab_size=self.vocab,
+            max_seq_len=max(self.seq, 16),
+        )
+
+    def describe(self) -> str:
+        if self.kind == "mlp":
+            return f"{self.depth} residual MLP blocks, dim {self.dim} (hidden {4 * self.dim})"
+        cfg = self.llama_config()
+        return (
+            f"Llama: {self.depth} layers, dim {self.dim}, {self.heads} heads / {self.kv_heads} kv heads, "
+            f"ffn {cfg.ffn_hidden_dim}, vocab {self.vocab}"
+        )
+
+    def batch_desc(self) -> str:
+        unit = f"{self.seq} rows of dim {self.dim}" if self.kind == "mlp" else f"sequences of {self.seq} tokens"
+        return f"{self.batch} x {unit}, the same on every rank"
+
+    def check(self, world: int) -> str | None:
+        """Why ``world`` cannot split this model evenly (torch needs even shards), or None."""
+        if self.kind == "mlp":
+            sizes = {"dim": self.dim, "hidden": 4 * self.dim}
+        else:
+            cfg = self.llama_config()
+            sizes = {"n_heads": self.heads, "n_kv_heads": self.kv_heads, "ffn": cfg.ffn_hidden_dim, "vocab": self.vocab}
+        bad = [f"{k} {v}" for k, v in sizes.items() if v % world]
+        return f"{', '.join(bad)} not divisible by --world-size {world}" if bad else None
+
+
+SPECS = {
+    ("mlp", False): ModelSpec("mlp", dim=256, depth=4, batch=16, seq=8),
+    ("mlp", True): ModelSpec("mlp", dim=32, depth=2, batch=4, seq=4),
+    # The "small" flavor's shapes (dim 256, 4 layers, 8 / 4 heads, vocab 256).
+    ("llama", False): ModelSpec("llama", dim=256, depth=4, batch=2, seq=64, heads=8, kv_heads=4, vocab=256),
+    # The "tiny" flavor (LlamaConfig defaults).
+    ("llama", True): ModelSpec("llama", dim=64, depth=2, batch=2, seq=16, heads=4, kv_heads=2, vocab=256),
+}
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP: ``x + fc2(gelu(fc1(norm(x))))``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def make_model(spec: ModelSpec) -> nn.Module:
+    if spec.kind == "mlp":
+        return MLP(spec.dim, spec.depth)
+    from hpservice.models.llama import Llama
+
+    return Llama(spec.llama_config())
+
+
+def global_batch(spec: ModelSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``step``: the same on every rank and in every config."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    if spec.kind == "mlp":
+        shape = (spec.batch, spec.seq, spec.dim)
+        return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    tokens = torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ---- the configurations ----------------------------------------------------------------------
+
+
+def _mlp_plan(model: nn.Module, colwise, rowwise) -> dict:
+    plan = {}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.fc1"] = colwise()
+        plan[f"blocks.{i}.fc2"] = rowwise()
+    return plan
+
+
+def _wrap_ours(spec: ModelSpec, model: nn.Module, world: int) -> nn.Module:
+    from hpservice.dtensor import init_device_mesh
+    from hpservice.parallel import ColwiseParallel, RowwiseParallel, apply_llama_tp, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    if spec.kind == "mlp":
+        return parallelize_module(model, mesh, _mlp_plan(model, ColwiseParallel, RowwiseParallel))
+    return apply_llama_tp(model, mesh)
+
+
+def torch_llama_plan(model: nn.Module) -> dict:
+    """torch styles on the module names of ``hpservice.parallel.llama_tp_plan`` (the default:
+    no sequence parallelism, vocab-parallel embedding)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {
+        # torch's RowwiseParallel takes a plain input as Shard(-1) unless told: the ids are replicated.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(use_local_output=False),
+    }
+    for i in range(len(model.layers)):
+        p = f"layers.{i}."
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[p + name] = ColwiseParallel()
+        plan[p + "attention.wo"] = RowwiseParallel()
+        plan[p + "feed_forward.w2"] = RowwiseParallel()
+    return plan
+
+
+def _wrap_torch(spec: ModelSpec, model: nn.Module, world: int) -> nn.Module:
+    from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    if spec.kind == "mlp":
+        return parallelize_module(model, mesh, _mlp_plan(model, ColwiseParallel, RowwiseParallel))
+    from hpservice.parallel import llama_tp_plan
+
+    plan = torch_llama_plan(model)
+    ours = llama_tp_plan(model, world)
+    if set(plan) != set(ours):  # the same module names as our plan, or the comparison is off
+        raise AssertionError(f"torch plan {sorted(set(plan) ^ set(ours))} differ from llama_tp_plan")
+    parallelize_module(model, mesh, plan)
+    for layer in model.layers:
+        layer.attention.n_heads //= world
+        layer.attention.n_kv_heads //= world
+    return model
+
+
+def _loss_ours(spec: ModelSpec, out, y: torch.Tensor) -> torch.Tensor:
+    if spec.kind == "mlp":
+        return F.mse_loss(out, y)
+    from hpservice.parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _loss_plain(spec: ModelSpec, out, y: torch.Tensor) -> torch.Tensor:
+    if spec.kind == "mlp":
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+class _Trainer:
+    """One configuration: its model, AdamW, and what was measured."""
+
+    def __init__(self, name: str, spec: ModelSpec, base: nn.Module, world: int):
+        self.name = name
+        self.spec = spec
+        model = copy.deepcopy(base)
+        if name == "ours":
+            model = _wrap_ours(spec, model, world)
+        elif name == "torch":
+            model = _wrap_torch(spec, model, world)
+        self.model = model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.01)
+        self.times_s: list[float] = []
+        self.loss = math.nan
+        self.collectives: int | None = None
+        self.collective_kinds: dict[str, int] = {}
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad()
+        out = self.model(x)
+        if self.name == "torch" and self.spec.kind == "llama":
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():  # the backward too: it starts from the sharded logits
+                loss = _loss_plain(self.spec, out, y)
+                loss.backward()
+        else:
+            loss = (_loss_ours if self.name == "ours" else _loss_plain)(self.spec, out, y)
+            loss.backward()
+        self.opt.step()
+        return loss
+
+    def _record(self, loss: torch.Tensor) -> None:
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # torch's loss_parallel: a DTensor
+        self.loss = loss.item()
+
+    def timed_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> float:
+        if barrier:
+            dist.barrier()
+        start = time.perf_counter()
+        loss = self.step(x, y)
+        elapsed = time.perf_counter() - start
+        self._record(loss)
+        return elapsed
+
+    def count_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> None:
+        if not barrier:  # single: nothing to count
+            self.collectives = 0
+            self._record(self.step(x, y))
+            return
+        dist.barrier()
+        with _count_profiled() as counts:
+            self._record(self.step(x, y))
+        self.collectives = sum(counts.values())
+        self.collective_kinds = dict(sorted(counts.items()))
+
+    def result(self) -> dict:
+        return {
+            "step_ms": statistics.median(self.times_s) * 1e3,
+            "tracked_bytes": tracked_bytes(self.model, self.opt),
+            "collectives_per_step": self.collectives,
+            "collective_kinds": self.collective_kinds,
+            "final_loss": self.loss,
+        }
+
+
+def _train(trainers: Sequence[_Trainer], spec: ModelSpec, steps: int, warmup: int, barrier: bool) -> None:
+    count_step = warmup + steps
+    for step in range(warmup + steps + 1):
+        x, y = global_batch(spec, step)
+        shift = step % len(trainers)
+        for t in list(trainers[shift:]) + list(trainers[:shift]):
+            if step == count_step:
+                t.count_step(x, y, barrier)
+            else:
+                elapsed = t.timed_step(x, y, barrier)
+                if step >= warmup:
+                    t.times_s.append(elapsed)
+
+
+def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
+    """Run on every rank: train both distributed configs, interleaved; rank 0 then runs the
+    single-process reference. Returns this rank's medians, memory, counts and final losses."""
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = make_model(spec)
+    trainers = [_Trainer(name, spec, base, world) for name in CONFIGS]
+    _train(trainers, spec, steps, warmup, barrier=True)
+    results = {t.name: t.result() for t in trainers}
+    if rank == 0:  # alone, last: no collective is left that the other ranks wait in
+        del trainers
+        single = _Trainer(REFERENCE, spec, base, world)
+        _train([single], spec, steps, warmup, barrier=False)
+        results[REFERENCE] = single.result()
+    return {"rank": rank, "results": results}
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def combine(per_rank: Sequence[dict]) -> dict[str, dict]:
+    """One row per config: slowest rank's median, largest rank's memory, mean final loss."""
+    rows: dict[str, dict] = {}
+    for name in (*CONFIGS, REFERENCE):
+        got = [r["results"][name] for r in per_rank if name in r["results"]]
+        counts = {g["collectives_per_step"] for g in got}
+        rows[name] = {
+            "step_ms": max(g["step_ms"] for g in got),
+            "tracked_mib": max(g["tracked_bytes"] for g in got) / _MIB,
+            "collectives_per_step": counts.pop() if len(counts) == 1 else None,  # None: ranks disagree
+            "collective_kinds": got[0]["collective_kinds"],
+            "final_loss": statistics.fmean(g["final_loss"] for g in got),
+            "final_loss_spread_over_ranks": max(g["final_loss"] for g in got) - min(g["final_loss"] for g in got),
+        }
+    ref = rows[REFERENCE]["final_loss"]
+    for row in rows.values():
+        row["loss_diff_vs_single"] = abs(row["final_loss"] - ref)
+    return rows
+
+
+def format_table(rows: dict[str, dict]) -> str:
+    header = (
+        f"{'config':<8} {'step ms':>9} {'tracked MiB/rank':>17} {'coll/step':>10} "
+        f"{'final loss':>12} {'|loss - single|':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, r in rows.items():
+        coll = "n/a" if r["collectives_per_step"] is None else str(r["collectives_per_step"])
+        label = name + ("*" if name == REFERENCE else "")
+        lines.append(
+            f"{label:<8} {r['step_ms']:>9.2f} {r['tracked_mib']:>17.2f} {coll:>10} "
+            f"{r['final_loss']:>12.6f} {r['loss_diff_vs_single']:>16.2e}"
+        )
+    lines.append("* one process, no parallelism, the same batch; run on rank 0 after the others")
+    return "\n".join(lines)
+
+
+def ratios(rows: dict[str, dict]) -> dict[str, float]:
+    ours, theirs = rows["ours"], rows["torch"]
+    return {
+        "ratio_ours_vs_torch": ours["step_ms"] / theirs["step_ms"],
+        "memory_ratio_ours_vs_torch": ours["tracked_mib"] / theirs["tracked_mib"],
+        "memory_ratio_ours_vs_single": ours["tracked_mib"] / rows[REFERENCE]["tracked_mib"],
+    }
+
+
+def summary(rows: dict[str, dict], spec: ModelSpec, world: int, steps: int, warmup: int) -> dict:
+    return {
+        "bench": "tp",
+        "model": spec.kind,
+        "model_spec": asdict(spec),
+        "world_size": world,
+        "steps": steps,
+        "warmup": warmup,
+        **ratios(rows),
+        "max_loss_diff_vs_single": max(rows[name]["loss_diff_vs_single"] for name in CONFIGS),
+        "configs": rows,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table (and JSON); exit status 1 if a config's final loss is off the reference."""
+    if args.world_size < 2:
+        print("tp: --world-size must be >= 2")
+        return 2
+    spec = SPECS[(args.model, args.quick)]
+    why = spec.check(args.world_size)
+    if why:
+        print(f"tp: {spec.kind}: {why}")
+        return 2
+    steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else DEFAULT_STEPS
+    warmup = args.warmup if args.warmup is not None else QUICK_WARMUP if args.quick else DEFAULT_WARMUP
+    if steps < 1 or warmup < 0:
+        print("tp: --steps must be >= 1 and --warmup >= 0")
+        return 2
+    per_rank = run_ranks(bench_rank, args.world_size, spec, steps, warmup, timeout=args.timeout)
+    rows = combine(per_rank)
+    torch.manual_seed(0)
+    n_params = sum(p.numel() for p in make_model(spec).parameters())
+    print(
+        f"tp: hpservice.parallel (ours) vs torch.distributed.tensor.parallel (torch); "
+        f"{args.world_size} gloo ranks x 1 thread, tp degree {args.world_size}\n"
+        f"model: {spec.describe()}, {n_params / 1e6:.2f}M params; batch: {spec.batch_desc()}; AdamW lr {LR}\n"
+        f"steps per config: {warmup} warm-up + {steps} timed + 1 counting collectives, "
+        f"configs interleaved step by step\n"
+        f"step ms: slowest rank's median; tracked: params + grads + AdamW state a rank holds; "
+        f"coll/step: gloo collectives (torch.profiler) in one step\n"
+    )
+    print(format_table(rows))
+    r = ratios(rows)
+    print(
+        f"\nours/torch: step time {r['ratio_ours_vs_torch']:.2f}x, "
+        f"tracked memory {r['memory_ratio_ours_vs_torch']:.2f}x (ours/single {r['memory_ratio_ours_vs_single']:.2f}x)"
+    )
+    report = summary(rows, spec, args.world_size, steps, warmup)
+    if args.json:
+        print(json.dumps(report))
+    return 0 if report["max_loss_diff_vs_single"] <= args.loss_tol else 1
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "tp", help="time training steps: hpservice tensor parallelism vs torch.distributed.tensor.parallel"
+    )
+    p.add_argument("--world-size", type=int, default=2, help="number of local gloo ranks = tp degree (default 2)")
+    p.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="model to train (default mlp)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed steps per config (default {DEFAULT_STEPS}, {QUICK_STEPS} with --quick)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed steps per config before the timed ones (default {DEFAULT_WARMUP}, {QUICK_WARMUP} with --quick)",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny model and few steps (for tests)")
+    p.add_argument("--json", action="store_true", help="also print one final line of JSON with all results")
+    p.add_argument(
+        "--loss-tol",
+        type=float,
+        default=1e-4,
+        help="exit with status 1 if a config's final loss is further than this from the single process",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    p.set_defaults(run=run)
