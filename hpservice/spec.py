@@ -107,6 +107,11 @@ class ParallelismSpec(_Section):
     tp: int = Field(
         1, ge=1, description="tensor parallel degree (the built-in llama); fully_shard then shards over the dp dims"
     )
+    sequence_parallel: bool = Field(
+        False,
+        description="with tp > 1: shard the residual stream, norms and their activations on the sequence dim "
+        "(Megatron/torchtitan sequence parallelism)",
+    )
     reshard_after_forward: bool = True
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     cpu_offload: bool = False
@@ -117,6 +122,12 @@ class ParallelismSpec(_Section):
         if v != -1 and v < 1:
             raise ValueError("must be -1 (the rest of the world) or >= 1")
         return v
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tp(self):
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallelism.sequence_parallel needs tp > 1 (it shards over the tensor-parallel ranks)")
+        return self
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for ``world_size`` ranks."""

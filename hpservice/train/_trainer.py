@@ -110,7 +110,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
     if not isinstance(model, Llama):
         raise TrainingError(f"parallelism.tp > 1 supports the built-in llama only, got {type(model).__name__}")
     try:
-        apply_llama_tp(model, mesh)
+        apply_llama_tp(model, mesh, sequence_parallel=spec.parallelism.sequence_parallel)
     except ValueError as e:
         raise TrainingError(str(e)) from e
 

@@ -123,12 +123,14 @@ def _close(run, ref):
         assert a["lr"] == b["lr"]
 
 
-def test_trainer_dp2_tp2_equals_one_process_and_checkpoints_reshard(ranks, tmp_path):
+def test_trainer_dp2_tp2_with_and_without_sp_equals_one_process_and_checkpoints_reshard(ranks, tmp_path):
     one = ranks(1).run(_run, _spec(tmp_path / "one", steps=4))[0]
     four = ranks(4).run(_run, _spec(tmp_path / "2x2", steps=4, checkpoint={"interval": 2}, dp_shard=2, tp=2))
     for r in four[1:]:
         assert [x["loss"] for x in r] == [x["loss"] for x in four[0]]
     _close(four[0], one)
+    sp = ranks(4).run(_run, _spec(tmp_path / "sp", steps=4, dp_shard=2, tp=2, sequence_parallel=True))
+    _close(sp[0], one)
     # The dp 2 x tp 2 checkpoint of step 2 resumes on one process and on tp 2 alone.
     step2 = tmp_path / "2x2" / "ckpt" / "step-00000002"
     assert step2.is_dir()
