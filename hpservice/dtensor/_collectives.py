@@ -104,7 +104,9 @@ def all_gather(x: torch.Tensor, dim: int, full_size: int, group: dist.ProcessGro
 
     def finish() -> torch.Tensor:
         y = out if dim == 0 else out.view((k,) + tuple(src.shape)).movedim(0, dim).flatten(dim, dim + 1)
-        return y if y.size(dim) == full_size else y.narrow(dim, 0, full_size)
+        # Uneven: drop the padding; a narrow of a dim > 0 is copied so that local pieces stay
+        # contiguous (composite ops pick ``view`` from the DTensor's contiguous strides).
+        return y if y.size(dim) == full_size else y.narrow(dim, 0, full_size).contiguous()
 
     return Pending(work, finish)
 
@@ -129,7 +131,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.Proces
 
     def finish_rs() -> torch.Tensor:
         y = finish(out)
-        return y if size == chunk else y.narrow(dim, 0, size)
+        return y if size == chunk else y.narrow(dim, 0, size).contiguous()
 
     return Pending(work, finish_rs)
 
@@ -157,7 +159,8 @@ def all_to_all(
         z = recv.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
         if z.size(src_dim) != src_full:
             z = z.narrow(src_dim, 0, src_full)
-        return z if dst_size == c_dst else z.narrow(dst_dim, 0, dst_size)
+        z = z if dst_size == c_dst else z.narrow(dst_dim, 0, dst_size)
+        return z.contiguous()
 
     return Pending(work, finish)
 
@@ -179,4 +182,4 @@ def scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, group_src: int,
     out = torch.empty_like(pieces[0])
     dist.scatter(out, pieces if dist.get_rank(group) == group_src else None, group=group, group_src=group_src)
     size = max(0, min(chunk, full_size - index * chunk))
-    return out if size == chunk else out.narrow(dim, 0, size)
+    return out if size == chunk else out.narrow(dim, 0, size).contiguous()

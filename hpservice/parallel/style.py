@@ -107,44 +107,12 @@ def _grad_hooks_pre_forward(module: nn.Module, _inputs) -> None:
         _grad_to_layout(param)
 
 
-class _Contiguous(torch.autograd.Function):
-    """Identity on a plain tensor whose result and gradient are contiguous (copied only when not)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous() if not x.is_contiguous() else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad if grad.is_contiguous() else grad.contiguous()
-
-
-def _dense(dt: DTensor) -> DTensor:
-    """``dt`` with a contiguous local piece, forward and backward. No communication.
-
-    Workaround for a DTensor-core behaviour: an all-gather of an uneven shard on a dim > 0 (e.g.
-    ``Shard(1) -> Replicate`` of a sequence of 7 over 2 ranks, and the backward of a reduce-scatter
-    onto it) leaves a narrowed, non-contiguous local piece while the DTensor reports contiguous
-    strides; a composite op that picks ``view`` from those strides (``F.linear`` on a 3-d input, or
-    its backward) then fails on the local piece. A no-op for contiguous pieces.
-    """
-    if not (torch.is_grad_enabled() and dt.requires_grad):
-        local = dt.to_local()
-        if local.is_contiguous():
-            return dt
-        return DTensor.from_local(local.contiguous(), dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride())
-    # The gradient of a Partial DTensor is Replicate (the same for every rank's addend).
-    grad_placements = [Replicate() if p.is_partial() else p for p in dt.placements]
-    local = _Contiguous.apply(dt.to_local(grad_placements=grad_placements))
-    return DTensor.from_local(local, dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride())
-
-
 def _redistribute(dt: DTensor, mesh: DeviceMesh, placements) -> DTensor:
-    """``dt.redistribute(mesh, placements)`` whose local pieces (and their gradients) are contiguous."""
+    """``dt.redistribute(mesh, placements)``, a no-op when the layout already matches."""
     placements = tuple(Shard(p.dim + dt.ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
     if mesh == dt.device_mesh and placements == tuple(dt.placements):
         return dt
-    return _dense(_dense(dt).redistribute(mesh, placements))
+    return dt.redistribute(mesh, placements)
 
 
 class _LinearStyle(ParallelStyle):
@@ -196,15 +164,22 @@ class _LinearStyle(ParallelStyle):
             )
         layout = self._input_layouts if self._input_layouts is not None else default_input
         module.register_forward_pre_hook(_grad_hooks_pre_forward)
-        module.register_forward_pre_hook(lambda _m, inputs: self._prepare_input(inputs, device_mesh, layout, desired))
+        module.register_forward_pre_hook(lambda m, inputs: self._prepare_input(inputs, device_mesh, layout, desired, m))
         module.register_forward_hook(lambda _m, _inputs, out: self._prepare_output(out, device_mesh))
         return module
 
-    def _prepare_input(self, inputs: tuple, mesh: DeviceMesh, layout: Placement, desired: Placement) -> tuple:
+    def _prepare_input(
+        self, inputs: tuple, mesh: DeviceMesh, layout: Placement, desired: Placement, module: nn.Module
+    ) -> tuple:
         x = inputs[0]
         if not isinstance(x, DTensor):
-            # Without shape= the global size of a sharded dim is gathered: exact for uneven shards.
-            x = DTensor.from_local(x, mesh, [layout])
+            shape = None
+            if isinstance(module, nn.Linear) and isinstance(layout, Shard) and layout.dim in (-1, x.ndim - 1):
+                # Sharded features (a rowwise input): the global size is the layer's in_features.
+                shape = (*x.shape[:-1], module.in_features)
+            # Otherwise (e.g. a sequence shard) the global size of the sharded dim is gathered:
+            # exact for uneven shards.
+            x = DTensor.from_local(x, mesh, [layout], shape=shape)
         x = _redistribute(x, mesh, [desired])
         return (x, *inputs[1:])
 
