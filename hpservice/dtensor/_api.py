@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_supported_types
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_supported_types
 
 from . import _collectives as C
 from ._layout import DTensorSpec, local_shard_size_and_offset, normalize_placements, replicate_all
@@ -188,6 +190,14 @@ class DTensor(torch.Tensor):
         return self.redistribute(self._spec.mesh, replicate_all(self._spec.mesh)).to_local(
             grad_placements=grad_placements
         )
+
+
+# torch.optim and clip_grad_norm_ take their multi-tensor (foreach) paths only for tensor types in
+# these lists (on devices with foreach kernels, e.g. CUDA); our _foreach_* dispatch runs them on the
+# local shards, as torch's own DTensor registers itself.
+for _types in (_optim_foreach_supported_types, _util_foreach_supported_types):
+    if DTensor not in _types:
+        _types.append(DTensor)
 
 
 def _redistribute(src: DTensor, dst: DTensorSpec, async_op: bool) -> DTensor:

@@ -147,3 +147,27 @@ def test_trainer_hsdp_tp_mixed_precision_runs(ranks, tmp_path):
     one = ranks(1).run(_run, _spec(tmp_path / "one", steps=4))[0]
     for a, b in zip(run[0], one, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=3e-2)
+
+
+def _foreach_equals_for_loop():
+    """torch.optim's multi-tensor path (what CUDA takes by default, forced here) on DTensor
+    parameters of several layouts equals its per-tensor path."""
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for foreach in (False, True):
+        model = _mlp()
+        parallelize_module(model, world["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=world["dp_shard"])
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=foreach)
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.full_tensor() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_foreach_optimizer_on_fsdp_tp_params_equals_for_loop(ranks):
+    ranks(4).run(_foreach_equals_for_loop)
