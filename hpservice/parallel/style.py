@@ -41,12 +41,13 @@ so every rank must hold the same initial weights (seed the init identically).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
+from ..dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 __all__ = [
     "ColwiseParallel",
@@ -158,6 +159,9 @@ class _LinearStyle(ParallelStyle):
                 raise NotImplementedError(f"{type(self).__name__}: nn.Embedding with max_norm or sparse=True")
             desired, default_input = Replicate(), Replicate()
             _distribute_param(module, "weight", device_mesh, self._embedding_weight)
+            if self._embedding_weight == Shard(0):
+                # Vocab-parallel: a lookup whose backward builds only the local rows of the gradient.
+                module.forward = functools.partial(_vocab_parallel_embedding, module)
         else:
             raise NotImplementedError(
                 f"{type(self).__name__} supports nn.Linear and nn.Embedding only (got {type(module).__name__})"
@@ -186,6 +190,43 @@ class _LinearStyle(ParallelStyle):
     def _prepare_output(self, out: DTensor, mesh: DeviceMesh):
         out = _redistribute(out, mesh, [self.output_layouts])
         return out.to_local() if self.use_local_output else out
+
+
+class _VocabParallelLookup(torch.autograd.Function):
+    """The lookup of replicated ``ids`` in this rank's vocabulary rows ``[lo, lo + n)`` of an
+    embedding weight: ids outside the range give zero rows (the Partial(sum) over ranks is the full
+    lookup). The backward builds the gradient of the local rows only (``[n, D]``, not ``[V, D]``):
+    ids outside the range are sent to a spare row ``n`` that is dropped."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, lo: int, padding_idx: int | None, scale_grad_by_freq: bool):
+        n = weight.shape[0]
+        outside = (ids < lo) | (ids >= lo + n)
+        local_ids = torch.where(outside, torch.full_like(ids, n), ids - lo)
+        ctx.save_for_backward(local_ids)
+        ctx.n, ctx.scale_grad_by_freq = n, scale_grad_by_freq
+        ctx.padding_idx = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + n else -1
+        if n == 0:  # an empty torch.chunk piece of the vocabulary
+            return weight.new_zeros((*ids.shape, weight.shape[1]))
+        out = nn.functional.embedding(local_ids.clamp(max=n - 1), weight)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (local_ids,) = ctx.saved_tensors
+        grad_weight = torch.ops.aten.embedding_dense_backward(
+            grad.contiguous(), local_ids, ctx.n + 1, ctx.padding_idx, ctx.scale_grad_by_freq
+        )
+        return None, grad_weight[: ctx.n], None, None, None
+
+
+def _vocab_parallel_embedding(module: nn.Embedding, ids) -> DTensor:
+    """``nn.Embedding.forward`` for a weight sharded on the vocabulary (``Shard(0)``): Partial(sum)."""
+    weight = module.weight
+    local_ids = ids.to_local() if isinstance(ids, DTensor) else ids  # replicated ids (the style's input)
+    lo = weight._spec.local_offset[0]
+    out = _VocabParallelLookup.apply(local_ids, weight.to_local(), lo, module.padding_idx, module.scale_grad_by_freq)
+    return DTensor.from_local(out, weight.device_mesh, [Partial()], shape=(*local_ids.shape, weight.shape[1]))
 
 
 class ColwiseParallel(_LinearStyle):

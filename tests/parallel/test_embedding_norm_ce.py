@@ -106,6 +106,49 @@ def test_audit_17_vocab_parallel_embedding_equals_unsharded(ranks, world):
     ranks(world).run(_check_audit_17, world)
 
 
+def _check_vocab_parallel_style_local_gradient(world, vocab, padding_idx, scale_grad_by_freq):
+    """RowwiseParallel on nn.Embedding: padding_idx and scale_grad_by_freq as nn.Embedding, and the
+    backward never builds a [V, D] gradient (only this rank's rows)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if type(t) is torch.Tensor:  # memory; a DTensor is a wrapper without storage
+                    self.seen.append(tuple(t.shape))
+            return out
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = nn.Embedding(vocab, DIM, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh, RowwiseParallel())
+    ids = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(6))
+    ids.view(-1)[:3] = torch.tensor([0, vocab - 1, padding_idx if padding_idx is not None else 1])
+    g = _randn(3, 5, DIM, seed=7)
+    out = model(ids)
+    torch.testing.assert_close(out, ref(ids), atol=1e-6, rtol=1e-6)
+    with Shapes() as shapes:
+        (out * g).sum().backward()
+    (ref(ids) * g).sum().backward()
+    assert model.weight.grad.placements == (Shard(0),)
+    torch.testing.assert_close(model.weight.grad.full_tensor(), ref.weight.grad, atol=1e-6, rtol=1e-6)
+    assert not [s for s in shapes.seen if len(s) == 2 and s[0] >= vocab], shapes.seen
+
+
+@pytest.mark.parametrize(
+    "world,vocab,padding_idx,scale",
+    [(2, VOCAB, 9, False), (4, VOCAB, None, True), (4, 3, 2, False)],  # 3 over 4 ranks: an empty piece
+)
+def test_vocab_parallel_embedding_style_builds_only_local_gradient(ranks, world, vocab, padding_idx, scale):
+    ranks(world).run(_check_vocab_parallel_style_local_gradient, world, vocab, padding_idx, scale)
+
+
 def _check_colwise_embedding():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
