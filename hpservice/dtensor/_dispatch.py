@@ -110,12 +110,24 @@ def dispatch(func, args: tuple, kwargs: dict):
         return random_op(func, args, kwargs)
     if kind == "norm":
         return _norm(func, args, kwargs)
-    dts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
+    dts = _dtensors_in(args, kwargs)
     if dts and all(d._spec.is_replicated() and d._spec.mesh == dts[0]._spec.mesh for d in dts):
         return _replicated(func, args, kwargs, dts[0]._spec)
     if dts and func in RULES:
         return _run_rule(func, args, kwargs, dts)
     raise _unsupported(func, dts, "this operator has no sharding rule yet")
+
+
+def _dtensors_in(args: tuple, kwargs: dict) -> list:
+    """The DTensor operands, in order (ATen arguments nest at most one list deep); cheaper than a
+    pytree flatten on this per-op path."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, DTensor):
+            found.append(a)
+        elif isinstance(a, list | tuple):
+            found.extend(x for x in a if isinstance(x, DTensor))
+    return found
 
 
 def _freeze(x):
@@ -199,13 +211,22 @@ def _list_operands(func, items, dts):
 
 def _replicated(func, args: tuple, kwargs: dict, spec: DTensorSpec):
     """Every rank holds the whole of every operand, so any op is correct on the local tensors."""
-    flat, tree = tree_flatten((args, kwargs))
-    flat = [a._wait_local() if isinstance(a, DTensor) else a for a in flat]
-    local_args, local_kwargs = tree_unflatten(flat, tree)
-    out = func(*local_args, **local_kwargs)
+    out = func(*_locals(args), **dict(zip(kwargs, _locals(kwargs.values()), strict=True)))
     if _is_mutable(func) and args and isinstance(args[0], DTensor):
         return args[0]
     return _wrap(out, spec)
+
+
+def _locals(values) -> tuple:
+    """``values`` with every DTensor (also inside a list argument) replaced by its local tensor."""
+    out = []
+    for a in values:
+        if isinstance(a, DTensor):
+            a = a._wait_local()
+        elif isinstance(a, list | tuple) and any(isinstance(x, DTensor) for x in a):
+            a = type(a)(x._wait_local() if isinstance(x, DTensor) else x for x in a)
+        out.append(a)
+    return tuple(out)
 
 
 def _norm(func, args: tuple, kwargs: dict):
