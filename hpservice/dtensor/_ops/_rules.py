@@ -374,14 +374,18 @@ def _reduction(x: DTensorSpec, dims: tuple[int, ...], keepdim: bool, reduce_op: 
     return _spec(x, target, x.shape), target, out, shape
 
 
+def _reduce_args(x: DTensorSpec, args, kwargs, *, whole: bool) -> tuple[tuple[int, ...], bool]:
+    """(dims, keepdim) of a reduction: all dims for the whole-tensor overloads, else ``dim``/``keepdim``."""
+    if whole:
+        return tuple(range(x.ndim)), False
+    dims = _reduce_dims(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+    return dims, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+
+
 @register(aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim)
 def _sum_rule(func, args, kwargs) -> Decision:
     x = args[0]
-    if func in (aten.sum.default, aten.mean.default):
-        dims, keepdim = tuple(range(x.ndim)), False
-    else:
-        dims = _reduce_dims(x, args[1] if len(args) > 1 else kwargs.get("dim"))
-        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    dims, keepdim = _reduce_args(x, args, kwargs, whole=func in (aten.sum.default, aten.mean.default))
     target, _, out, shape = _reduction(x, dims, keepdim)
     local_fn = None
     if func in (aten.mean.default, aten.mean.dim) and any(p.is_shard() and p.dim in dims for p in x.placements):
@@ -401,11 +405,7 @@ def _local_mean(func, args, kwargs, *, dims, keepdim, count, dtype_pos):
 def _amax_rule(func, args, kwargs) -> Decision:
     """max/min over a sharded dim: each rank reduces its piece -> Partial(max/min)."""
     x = args[0]
-    if func in (aten.max.default, aten.min.default):
-        dims, keepdim = tuple(range(x.ndim)), False
-    else:
-        dims = _reduce_dims(x, args[1] if len(args) > 1 else kwargs.get("dim"))
-        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    dims, keepdim = _reduce_args(x, args, kwargs, whole=func in (aten.max.default, aten.min.default))
     op = "max" if func in (aten.amax.default, aten.max.default) else "min"
     if any(p.is_shard() and p.dim in dims and x.shape[p.dim] == 0 for p in x.placements):
         raise RuleError(f"{op} over an empty dim has no identity")
