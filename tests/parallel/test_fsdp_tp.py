@@ -141,12 +141,15 @@ def test_trainer_dp2_tp2_with_and_without_sp_equals_one_process_and_checkpoints_
     _close(tp_only, one[2:])
 
 
-def test_trainer_hsdp_tp_mixed_precision_runs(ranks, tmp_path):
-    """dp_replicate 2 x tp 2 with bf16 parameters: the loss falls like the fp32 single process."""
-    run = ranks(4).run(_run, _spec(tmp_path / "mp", steps=4, dp_replicate=2, dp_shard=1, tp=2, mixed_precision="bf16"))
+def test_trainer_tp_with_mixed_precision_and_cpu_offload(ranks, tmp_path):
+    """dp_replicate 2 x tp 2 with bf16 parameters: the loss follows the fp32 single process; dp_shard 2
+    x tp 2 with CPU offload (fp32) equals it."""
     one = ranks(1).run(_run, _spec(tmp_path / "one", steps=4))[0]
-    for a, b in zip(run[0], one, strict=True):
+    mp = ranks(4).run(_run, _spec(tmp_path / "mp", steps=4, dp_replicate=2, dp_shard=1, tp=2, mixed_precision="bf16"))
+    for a, b in zip(mp[0], one, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=3e-2)
+    offload = ranks(4).run(_run, _spec(tmp_path / "offload", steps=4, dp_shard=2, tp=2, cpu_offload=True))
+    _close(offload[0], one)
 
 
 def _foreach_equals_for_loop():
