@@ -359,7 +359,7 @@ class Trainer:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(x)
             if isinstance(logits, DTensor):  # tensor parallelism: logits sharded on the vocabulary
-                loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten()) / accum
+                loss = vocab_parallel_cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
             else:
                 loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
             loss.backward()

@@ -147,7 +147,7 @@ def test_trainer_tp_with_mixed_precision_and_cpu_offload(ranks, tmp_path):
     one = ranks(1).run(_run, _spec(tmp_path / "one", steps=4))[0]
     mp = ranks(4).run(_run, _spec(tmp_path / "mp", steps=4, dp_replicate=2, dp_shard=1, tp=2, mixed_precision="bf16"))
     for a, b in zip(mp[0], one, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=3e-2)
+        assert a["loss"] == pytest.approx(b["loss"], abs=5e-3)
     offload = ranks(4).run(_run, _spec(tmp_path / "offload", steps=4, dp_shard=2, tp=2, cpu_offload=True))
     _close(offload[0], one)
 
