@@ -115,35 +115,6 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
         raise TrainingError(str(e)) from e
 
 
-def _grad_to_layout(spec, grad: DTensor) -> DTensor:
-    if grad._spec.placements == spec.placements:
-        return grad
-    return grad.redistribute(spec.mesh, spec.placements)
-
-
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate (uninitialised) every meta parameter and buffer on ``device``; a DTensor parameter
-    gets only its local piece. ``nn.Module.to_empty`` is not used: it swaps DTensor parameters in
-    place, after which their gradient hooks (which give a gradient its parameter's layout, e.g.
-    slice the replicated gradient of a vocab-parallel embedding) no longer fire, so new
-    parameters are registered with the hook."""
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or param.device.type != "meta":
-                continue
-            if isinstance(param, DTensor):
-                local = torch.empty_like(param._local_tensor, device=device)
-                new = nn.Parameter(DTensor(local, param._spec), requires_grad=param.requires_grad)
-                if new.requires_grad:
-                    new.register_hook(functools.partial(_grad_to_layout, param._spec))
-            else:
-                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-            module.register_parameter(name, new)
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device.type == "meta":
-                module._buffers[name] = torch.empty_like(buf, device=device)
-
-
 def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
     """Run the model's own ``init_weights()`` with the sharding-independent DTensor RNG, so every
     layout (FSDP, HSDP, tp, one process) starts from the same values for the same seed. Parameters
@@ -233,13 +204,13 @@ class Trainer:
         self.fsdp = self.dp_mesh is not None
         if self.fsdp:
             apply_fsdp(self.model, self.dp_mesh, spec)
-        else:  # tp alone: allocate the local pieces (DTensor parameters keep their identity and hooks)
+        else:  # tp alone: allocate each rank's pieces (the styles re-install their gradient hooks)
             if spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
                 raise TrainingError(
                     "parallelism.mixed_precision and cpu_offload come from fully_shard: with tp alone (data-parallel "
                     "size 1) they are not built yet; use dp_shard >= 2 or set them to none/false"
                 )
-            materialize(self.model, self.device)
+            self.model.to_empty(device=self.device)
         init_weights(self.model, self.mesh, spec.training.seed)
 
         self.optimizer = build_optimizer(self.model, spec)
