@@ -47,36 +47,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import ctypes
 import gc
 import json
-import math
 import os
 import resource
-import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpservice.bench import _harness as h
+from hpservice.bench._harness import LR, MIB, MLP, REFERENCE, count_patched, count_profiled
 from hpservice.launch import run_ranks
 
 __all__ = ["MLP", "ModelSpec", "Transformer", "add_parser", "bench_rank", "combine", "format_table", "summary"]
 
 CONFIGS = ("ours", "fsdp2", "ddp")
-REFERENCE = "single"
-LR = 1e-3
-DEFAULT_STEPS = 20
-DEFAULT_WARMUP = 3
-QUICK_STEPS = 3
-QUICK_WARMUP = 1
 # torch.distributed collectives FSDP2 may issue (2.13 names and the older ones).
 _TORCH_COLLECTIVES = (
     "all_gather_into_tensor",
@@ -122,31 +115,6 @@ SPECS = {
     ("transformer", False): ModelSpec("transformer", dim=256, depth=4, batch=4, heads=4, vocab=1024, seq=64),
     ("transformer", True): ModelSpec("transformer", dim=32, depth=2, batch=2, heads=2, vocab=64, seq=8),
 }
-
-
-class MLPBlock(nn.Module):
-    """Pre-norm residual MLP: ``x + fc2(gelu(fc1(norm(x))))``."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, depth: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
-        self.norm = nn.LayerNorm(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
 
 
 class Attention(nn.Module):
@@ -253,48 +221,21 @@ _WRAPPERS: dict[str, Callable[[nn.Module, int], nn.Module]] = {
 }
 
 
-class _Trainer:
-    """One configuration: its model, AdamW, and what was measured."""
+class _Trainer(h.Trainer):
+    """One configuration: its model, AdamW, and what was measured (also the RSS of one step)."""
 
     def __init__(self, name: str, spec: ModelSpec, base: nn.Module, world: int):
-        self.name = name
-        self.spec = spec
-        self.model = _WRAPPERS[name](copy.deepcopy(base), world)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.01)
-        self.times_s: list[float] = []
-        self.loss = math.nan
-        self.collectives: int | None = None
-        self.collective_kinds: dict[str, int] = {}
+        super().__init__(name, spec, base, lambda model: _WRAPPERS[name](model, world))
         self.rss_before = 0
         self.rss_peak = 0
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.opt.zero_grad()
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = compute_loss(self.spec, self.model, x, y)
         loss.backward()
-        self.opt.step()
         return loss
 
-    def timed_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> float:
-        if barrier:
-            dist.barrier()
-        start = time.perf_counter()
-        loss = self.step(x, y)
-        elapsed = time.perf_counter() - start
-        self.loss = loss.item()
-        return elapsed
-
-    def count_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        counter = {"ours": _count_ours, "fsdp2": _count_torch, "ddp": _count_profiled}.get(self.name)
-        if counter is None:
-            self.collectives = 0
-            self.timed_step(x, y, barrier=False)
-            return
-        dist.barrier()
-        with counter() as counts:
-            self.loss = self.step(x, y).item()
-        self.collectives = sum(counts.values())
-        self.collective_kinds = {k: v for k, v in counts.items() if v}
+    def counter(self) -> h.Counter | None:
+        return {"ours": _count_ours, "fsdp2": _count_torch, "ddp": count_profiled}.get(self.name)
 
     def rss_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> None:
         gc.collect()
@@ -303,102 +244,28 @@ class _Trainer:
             dist.barrier()
         self.rss_before = _rss_bytes()
         with _RssSampler() as sampler:
-            self.loss = self.step(x, y).item()
+            self._record(self.step(x, y))
         self.rss_peak = max(sampler.peak, self.rss_before)
 
     def result(self) -> dict:
         return {
-            "step_ms": statistics.median(self.times_s) * 1e3,
-            "tracked_bytes": tracked_bytes(self.model, self.opt),
+            **super().result(),
             "rss_peak_bytes": self.rss_peak,
             "rss_step_bytes": self.rss_peak - self.rss_before,
-            "collectives_per_step": self.collectives,
-            "collective_kinds": self.collective_kinds,
-            "final_loss": self.loss,
         }
-
-
-def _local_nbytes(t: torch.Tensor) -> int:
-    """Bytes of what this rank holds of ``t``: the local tensor of a DTensor (ours or torch's)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def tracked_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Parameters + gradients + optimizer state held by this rank (local tensors)."""
-    total = 0
-    for p in model.parameters():
-        total += _local_nbytes(p)
-        if p.grad is not None:
-            total += _local_nbytes(p.grad)
-    for state in opt.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                total += _local_nbytes(value)
-    return total
 
 
 # ---- counting collectives --------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _patched(module, names: Sequence[str]) -> Iterator[dict[str, int]]:
-    """Count calls of ``module.<name>`` for each name the module has, while inside."""
-    counts = {name: 0 for name in names if hasattr(module, name)}
-    originals = {name: getattr(module, name) for name in counts}
-
-    def counting(name: str, fn: Callable) -> Callable:
-        def wrapped(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    for name, fn in originals.items():
-        setattr(module, name, counting(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(module, name, fn)
-
-
 def _count_ours() -> contextlib.AbstractContextManager[dict[str, int]]:
     import hpservice.fsdp._fsdp_param_group as group_module
 
-    return _patched(group_module, _OUR_COLLECTIVES)
+    return count_patched(group_module, _OUR_COLLECTIVES)
 
 
 def _count_torch() -> contextlib.AbstractContextManager[dict[str, int]]:
-    return _patched(dist, _TORCH_COLLECTIVES)
-
-
-@contextlib.contextmanager
-def _silenced_stderr() -> Iterator[None]:
-    """The profiler's C++ side prints start/stop lines on fd 2; keep them out of the report."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-@contextlib.contextmanager
-def _count_profiled() -> Iterator[dict[str, int]]:
-    """Backend collectives (``gloo:all_reduce`` ...) recorded by torch.profiler while inside."""
-    counts: dict[str, int] = {}
-    with _silenced_stderr():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            yield counts
-        events = prof.events()
-    for event in events:
-        if event.name.startswith(("gloo:", "nccl:")):
-            counts[event.name] = counts.get(event.name, 0) + 1
+    return count_patched(dist, _TORCH_COLLECTIVES)
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -462,85 +329,48 @@ def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
     """Run on every rank: train every distributed config, interleaved; rank 0 then runs the
     single-process reference. Returns this rank's medians, memory, counts and final losses."""
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    rank, world = h.start_rank()
     base = make_model(spec)
-    trainers = [_Trainer(name, spec, base, world) for name in CONFIGS]
-    count_step, rss_step = warmup + steps, warmup + steps + 1
-    for step in range(warmup + steps + 2):
+
+    def local_batch(step: int) -> h.Batch:
         x, y = global_batch(spec, step, world)
-        x, y = _local(x, rank, world), _local(y, rank, world)
-        shift = step % len(trainers)
-        for t in trainers[shift:] + trainers[:shift]:
-            if step == count_step:
-                t.count_step(x, y)
-            elif step == rss_step:
-                t.rss_step(x, y, barrier=True)
-            else:
-                elapsed = t.timed_step(x, y, barrier=True)
-                if step >= warmup:
-                    t.times_s.append(elapsed)
-    results = {t.name: t.result() for t in trainers}
-    # The reference last, alone on rank 0: no collective is left that the other ranks wait in.
-    if rank == 0:
-        del trainers
-        single = _Trainer(REFERENCE, spec, base, world)
-        for step in range(warmup + steps + 2):
-            x, y = global_batch(spec, step, world)
-            if step == count_step:
-                single.count_step(x, y)
-            elif step == rss_step:
-                single.rss_step(x, y, barrier=False)
-            else:
-                elapsed = single.timed_step(x, y, barrier=False)
-                if step >= warmup:
-                    single.times_s.append(elapsed)
-        results[REFERENCE] = single.result()
+        return _local(x, rank, world), _local(y, rank, world)
+
+    results = h.train_all(
+        lambda name: _Trainer(name, spec, base, world),
+        CONFIGS,
+        local_batch,
+        lambda step: global_batch(spec, step, world),
+        steps,
+        warmup,
+        after=("count_step", "rss_step"),
+    )
     return {"rank": rank, "results": results, "max_rss_bytes": _max_rss_bytes()}
 
 
 # ---- report ----------------------------------------------------------------------------------
 
-_MIB = 2**20
-
 
 def combine(per_rank: Sequence[dict]) -> dict[str, dict]:
     """One row per config: slowest rank's median, largest rank's memory, mean final loss."""
-    rows: dict[str, dict] = {}
-    for name in (*CONFIGS, REFERENCE):
-        got = [r["results"][name] for r in per_rank if name in r["results"]]
-        counts = {g["collectives_per_step"] for g in got}
-        rows[name] = {
-            "step_ms": max(g["step_ms"] for g in got),
-            "tracked_mib": max(g["tracked_bytes"] for g in got) / _MIB,
-            "rss_peak_mib": max(g["rss_peak_bytes"] for g in got) / _MIB,
-            "rss_step_mib": max(g["rss_step_bytes"] for g in got) / _MIB,
-            "collectives_per_step": counts.pop() if len(counts) == 1 else None,  # None: ranks disagree
-            "collective_kinds": got[0]["collective_kinds"],
-            "final_loss": statistics.fmean(g["final_loss"] for g in got),
-        }
-    ref = rows[REFERENCE]["final_loss"]
-    for row in rows.values():
-        row["loss_diff_vs_single"] = abs(row["final_loss"] - ref)
-    return rows
+    return h.combine(per_rank, CONFIGS, memory=("tracked", "rss_peak", "rss_step"))
+
+
+COLUMNS = (
+    h.STEP_MS,
+    h.TRACKED,
+    h.Column("RSS peak MiB", 13, "rss_peak_mib", ".1f"),
+    h.Column("+step MiB", 10, "rss_step_mib", ".1f"),
+    h.COLLECTIVES,
+    h.FINAL_LOSS,
+    h.LOSS_DIFF,
+)
 
 
 def format_table(rows: dict[str, dict]) -> str:
-    header = (
-        f"{'config':<8} {'step ms':>9} {'tracked MiB/rank':>17} {'RSS peak MiB':>13} {'+step MiB':>10} "
-        f"{'coll/step':>10} {'final loss':>12} {'|loss - single|':>16}"
+    return h.format_table(
+        rows, COLUMNS, "one process on the global batch (all ranks' work), run on rank 0 after the others"
     )
-    lines = [header, "-" * len(header)]
-    for name, r in rows.items():
-        coll = "n/a" if r["collectives_per_step"] is None else str(r["collectives_per_step"])
-        label = name + ("*" if name == REFERENCE else "")
-        lines.append(
-            f"{label:<8} {r['step_ms']:>9.2f} {r['tracked_mib']:>17.2f} {r['rss_peak_mib']:>13.1f} "
-            f"{r['rss_step_mib']:>10.1f} {coll:>10} {r['final_loss']:>12.6f} {r['loss_diff_vs_single']:>16.2e}"
-        )
-    lines.append("* one process on the global batch (all ranks' work), run on rank 0 after the others")
-    return "\n".join(lines)
 
 
 def ratios(rows: dict[str, dict]) -> dict[str, float]:
@@ -554,18 +384,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
 
 
 def summary(rows: dict[str, dict], spec: ModelSpec, world: int, steps: int, warmup: int, max_rss: int) -> dict:
-    return {
-        "bench": "fsdp",
-        "model": spec.kind,
-        "model_spec": asdict(spec),
-        "world_size": world,
-        "steps": steps,
-        "warmup": warmup,
-        **ratios(rows),
-        "max_loss_diff_vs_single": max(rows[name]["loss_diff_vs_single"] for name in CONFIGS),
-        "max_rss_mib_per_rank": max_rss / _MIB,
-        "configs": rows,
-    }
+    return h.summary("fsdp", rows, spec, world, steps, warmup, ratios(rows), max_rss_mib_per_rank=max_rss / MIB)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -574,11 +393,10 @@ def run(args: argparse.Namespace) -> int:
         print("fsdp: --world-size must be >= 2")
         return 2
     spec = SPECS[(args.model, args.quick)]
-    steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else DEFAULT_STEPS
-    warmup = args.warmup if args.warmup is not None else QUICK_WARMUP if args.quick else DEFAULT_WARMUP
-    if steps < 1 or warmup < 0:
-        print("fsdp: --steps must be >= 1 and --warmup >= 0")
+    steps_warmup = h.steps_and_warmup(args, "fsdp")
+    if steps_warmup is None:
         return 2
+    steps, warmup = steps_warmup
     per_rank = run_ranks(bench_rank, args.world_size, spec, steps, warmup, timeout=args.timeout)
     rows = combine(per_rank)
     max_rss = max(r["max_rss_bytes"] for r in per_rank)
@@ -590,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
         f"steps per config: {warmup} warm-up + {steps} timed + 1 counting collectives + 1 sampling RSS, "
         f"configs interleaved step by step\n"
         f"step ms: slowest rank's median; tracked: params + grads + AdamW state a rank holds; "
-        f"peak ru_maxrss of a rank process (all configs): {max_rss / _MIB:.1f} MiB\n"
+        f"peak ru_maxrss of a rank process (all configs): {max_rss / MIB:.1f} MiB\n"
     )
     print(format_table(rows))
     r = ratios(rows)
@@ -609,25 +427,5 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("fsdp", help="time training steps: hpservice fully_shard vs torch FSDP2 vs DDP")
     p.add_argument("--world-size", type=int, default=2, help="number of local gloo ranks (default 2)")
     p.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="model to train (default mlp)")
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help=f"timed steps per config (default {DEFAULT_STEPS}, {QUICK_STEPS} with --quick)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help=f"untimed steps per config before the timed ones (default {DEFAULT_WARMUP}, {QUICK_WARMUP} with --quick)",
-    )
-    p.add_argument("--quick", action="store_true", help="tiny model and few steps (for tests)")
-    p.add_argument("--json", action="store_true", help="also print one final line of JSON with all results")
-    p.add_argument(
-        "--loss-tol",
-        type=float,
-        default=1e-3,
-        help="exit with status 1 if a config's final loss is further than this from the single process",
-    )
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    h.add_step_options(p, loss_tol=1e-3)
     p.set_defaults(run=run)

@@ -45,32 +45,21 @@ Per config, reported:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
-import statistics
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hpservice.bench.fsdp import _count_profiled, tracked_bytes
+from hpservice.bench import _harness as h
+from hpservice.bench._harness import LR, MLP, REFERENCE
 from hpservice.launch import run_ranks
 
 __all__ = ["MLP", "ModelSpec", "add_parser", "bench_rank", "combine", "format_table", "summary"]
 
 CONFIGS = ("ours", "torch")
-REFERENCE = "single"
-LR = 1e-3
-DEFAULT_STEPS = 20
-DEFAULT_WARMUP = 3
-QUICK_STEPS = 3
-QUICK_WARMUP = 1
-_MIB = 2**20
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -135,31 +124,6 @@ SPECS = {
     # The "tiny" flavor (LlamaConfig defaults).
     ("llama", True): ModelSpec("llama", dim=64, depth=2, batch=2, seq=16, heads=4, kv_heads=2, vocab=256),
 }
-
-
-class MLPBlock(nn.Module):
-    """Pre-norm residual MLP: ``x + fc2(gelu(fc1(norm(x))))``."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, depth: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
-        self.norm = nn.LayerNorm(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
 
 
 def make_model(spec: ModelSpec) -> nn.Module:
@@ -255,26 +219,14 @@ def _loss_plain(spec: ModelSpec, out, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-class _Trainer:
+class _Trainer(h.Trainer):
     """One configuration: its model, AdamW, and what was measured."""
 
     def __init__(self, name: str, spec: ModelSpec, base: nn.Module, world: int):
-        self.name = name
-        self.spec = spec
-        model = copy.deepcopy(base)
-        if name == "ours":
-            model = _wrap_ours(spec, model, world)
-        elif name == "torch":
-            model = _wrap_torch(spec, model, world)
-        self.model = model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.01)
-        self.times_s: list[float] = []
-        self.loss = math.nan
-        self.collectives: int | None = None
-        self.collective_kinds: dict[str, int] = {}
+        wrap = {"ours": _wrap_ours, "torch": _wrap_torch}.get(name)
+        super().__init__(name, spec, base, lambda model: wrap(spec, model, world) if wrap else model)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.opt.zero_grad()
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = self.model(x)
         if self.name == "torch" and self.spec.kind == "llama":
             from torch.distributed.tensor.parallel import loss_parallel
@@ -285,72 +237,22 @@ class _Trainer:
         else:
             loss = (_loss_ours if self.name == "ours" else _loss_plain)(self.spec, out, y)
             loss.backward()
-        self.opt.step()
         return loss
 
-    def _record(self, loss: torch.Tensor) -> None:
-        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # torch's loss_parallel: a DTensor
-        self.loss = loss.item()
 
-    def timed_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> float:
-        if barrier:
-            dist.barrier()
-        start = time.perf_counter()
-        loss = self.step(x, y)
-        elapsed = time.perf_counter() - start
-        self._record(loss)
-        return elapsed
-
-    def count_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> None:
-        if not barrier:  # single: nothing to count
-            self.collectives = 0
-            self._record(self.step(x, y))
-            return
-        dist.barrier()
-        with _count_profiled() as counts:
-            self._record(self.step(x, y))
-        self.collectives = sum(counts.values())
-        self.collective_kinds = dict(sorted(counts.items()))
-
-    def result(self) -> dict:
-        return {
-            "step_ms": statistics.median(self.times_s) * 1e3,
-            "tracked_bytes": tracked_bytes(self.model, self.opt),
-            "collectives_per_step": self.collectives,
-            "collective_kinds": self.collective_kinds,
-            "final_loss": self.loss,
-        }
-
-
-def _train(trainers: Sequence[_Trainer], spec: ModelSpec, steps: int, warmup: int, barrier: bool) -> None:
-    count_step = warmup + steps
-    for step in range(warmup + steps + 1):
-        x, y = global_batch(spec, step)
-        shift = step % len(trainers)
-        for t in list(trainers[shift:]) + list(trainers[:shift]):
-            if step == count_step:
-                t.count_step(x, y, barrier)
-            else:
-                elapsed = t.timed_step(x, y, barrier)
-                if step >= warmup:
-                    t.times_s.append(elapsed)
+# ---- per rank --------------------------------------------------------------------------------
 
 
 def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
     """Run on every rank: train both distributed configs, interleaved; rank 0 then runs the
     single-process reference. Returns this rank's medians, memory, counts and final losses."""
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    rank, world = h.start_rank()
     base = make_model(spec)
-    trainers = [_Trainer(name, spec, base, world) for name in CONFIGS]
-    _train(trainers, spec, steps, warmup, barrier=True)
-    results = {t.name: t.result() for t in trainers}
-    if rank == 0:  # alone, last: no collective is left that the other ranks wait in
-        del trainers
-        single = _Trainer(REFERENCE, spec, base, world)
-        _train([single], spec, steps, warmup, barrier=False)
-        results[REFERENCE] = single.result()
+
+    def batch(step: int) -> h.Batch:
+        return global_batch(spec, step)
+
+    results = h.train_all(lambda name: _Trainer(name, spec, base, world), CONFIGS, batch, batch, steps, warmup)
     return {"rank": rank, "results": results}
 
 
@@ -359,39 +261,14 @@ def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
 
 def combine(per_rank: Sequence[dict]) -> dict[str, dict]:
     """One row per config: slowest rank's median, largest rank's memory, mean final loss."""
-    rows: dict[str, dict] = {}
-    for name in (*CONFIGS, REFERENCE):
-        got = [r["results"][name] for r in per_rank if name in r["results"]]
-        counts = {g["collectives_per_step"] for g in got}
-        rows[name] = {
-            "step_ms": max(g["step_ms"] for g in got),
-            "tracked_mib": max(g["tracked_bytes"] for g in got) / _MIB,
-            "collectives_per_step": counts.pop() if len(counts) == 1 else None,  # None: ranks disagree
-            "collective_kinds": got[0]["collective_kinds"],
-            "final_loss": statistics.fmean(g["final_loss"] for g in got),
-            "final_loss_spread_over_ranks": max(g["final_loss"] for g in got) - min(g["final_loss"] for g in got),
-        }
-    ref = rows[REFERENCE]["final_loss"]
-    for row in rows.values():
-        row["loss_diff_vs_single"] = abs(row["final_loss"] - ref)
-    return rows
+    return h.combine(per_rank, CONFIGS, loss_spread=True)
+
+
+COLUMNS = (h.STEP_MS, h.TRACKED, h.COLLECTIVES, h.FINAL_LOSS, h.LOSS_DIFF)
 
 
 def format_table(rows: dict[str, dict]) -> str:
-    header = (
-        f"{'config':<8} {'step ms':>9} {'tracked MiB/rank':>17} {'coll/step':>10} "
-        f"{'final loss':>12} {'|loss - single|':>16}"
-    )
-    lines = [header, "-" * len(header)]
-    for name, r in rows.items():
-        coll = "n/a" if r["collectives_per_step"] is None else str(r["collectives_per_step"])
-        label = name + ("*" if name == REFERENCE else "")
-        lines.append(
-            f"{label:<8} {r['step_ms']:>9.2f} {r['tracked_mib']:>17.2f} {coll:>10} "
-            f"{r['final_loss']:>12.6f} {r['loss_diff_vs_single']:>16.2e}"
-        )
-    lines.append("* one process, no parallelism, the same batch; run on rank 0 after the others")
-    return "\n".join(lines)
+    return h.format_table(rows, COLUMNS, "one process, no parallelism, the same batch; run on rank 0 after the others")
 
 
 def ratios(rows: dict[str, dict]) -> dict[str, float]:
@@ -404,17 +281,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
 
 
 def summary(rows: dict[str, dict], spec: ModelSpec, world: int, steps: int, warmup: int) -> dict:
-    return {
-        "bench": "tp",
-        "model": spec.kind,
-        "model_spec": asdict(spec),
-        "world_size": world,
-        "steps": steps,
-        "warmup": warmup,
-        **ratios(rows),
-        "max_loss_diff_vs_single": max(rows[name]["loss_diff_vs_single"] for name in CONFIGS),
-        "configs": rows,
-    }
+    return h.summary("tp", rows, spec, world, steps, warmup, ratios(rows))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -427,11 +294,10 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"tp: {spec.kind}: {why}")
         return 2
-    steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else DEFAULT_STEPS
-    warmup = args.warmup if args.warmup is not None else QUICK_WARMUP if args.quick else DEFAULT_WARMUP
-    if steps < 1 or warmup < 0:
-        print("tp: --steps must be >= 1 and --warmup >= 0")
+    steps_warmup = h.steps_and_warmup(args, "tp")
+    if steps_warmup is None:
         return 2
+    steps, warmup = steps_warmup
     per_rank = run_ranks(bench_rank, args.world_size, spec, steps, warmup, timeout=args.timeout)
     rows = combine(per_rank)
     torch.manual_seed(0)
@@ -463,25 +329,5 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--world-size", type=int, default=2, help="number of local gloo ranks = tp degree (default 2)")
     p.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="model to train (default mlp)")
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help=f"timed steps per config (default {DEFAULT_STEPS}, {QUICK_STEPS} with --quick)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help=f"untimed steps per config before the timed ones (default {DEFAULT_WARMUP}, {QUICK_WARMUP} with --quick)",
-    )
-    p.add_argument("--quick", action="store_true", help="tiny model and few steps (for tests)")
-    p.add_argument("--json", action="store_true", help="also print one final line of JSON with all results")
-    p.add_argument(
-        "--loss-tol",
-        type=float,
-        default=1e-4,
-        help="exit with status 1 if a config's final loss is further than this from the single process",
-    )
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    h.add_step_options(p, loss_tol=1e-4)
     p.set_defaults(run=run)
