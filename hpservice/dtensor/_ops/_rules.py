@@ -473,20 +473,27 @@ def _cat_rule(func, args, kwargs) -> Decision:
     if any(s.ndim != ndim for s in specs):
         raise RuleError(f"tensors of different ranks: {[list(s.shape) for s in specs]}")
     dim %= max(ndim, 1)
+    placements = _list_placements(specs, joined_dim=dim)
+    targets = [_spec(t, placements, t.shape) if t in specs else t for t in tensors]
+    shape = list(specs[0].shape)
+    shape[dim] = sum(s.shape[dim] for s in specs)
+    return Decision(tuple(targets), DTensorSpec(specs[0].mesh, tuple(placements), tuple(shape)))
+
+
+def _list_placements(specs, joined_dim: int | None = None) -> list[Placement]:
+    """The common placements of cat/stack operands, per mesh dim: the first Shard of a dim other
+    than ``joined_dim``, else a Partial(sum/avg) all share, else Replicate."""
     placements = []
     for i in range(len(specs[0].placements)):
         ps = [s.placements[i] for s in specs]
-        shard = next((p for p in ps if p.is_shard() and p.dim != dim), None)
+        shard = next((p for p in ps if p.is_shard() and p.dim != joined_dim), None)
         if shard is not None:
             placements.append(shard)
         elif _is_linear_partial(ps[0]) and all(p == ps[0] for p in ps):
             placements.append(ps[0])
         else:
             placements.append(_R)
-    targets = [_spec(t, placements, t.shape) if t in specs else t for t in tensors]
-    shape = list(specs[0].shape)
-    shape[dim] = sum(s.shape[dim] for s in specs)
-    return Decision(tuple(targets), DTensorSpec(specs[0].mesh, tuple(placements), tuple(shape)))
+    return placements
 
 
 @register(aten.stack.default)
@@ -499,16 +506,7 @@ def _stack_rule(func, args, kwargs) -> Decision:
     if any(t.shape != shape for t in tensors):
         raise RuleError(f"stack needs equal shapes, got {[list(t.shape) for t in tensors]}")
     dim %= len(shape) + 1
-    placements = []
-    for i in range(len(tensors[0].placements)):
-        ps = [t.placements[i] for t in tensors]
-        shard = next((p for p in ps if p.is_shard()), None)
-        if shard is not None:
-            placements.append(shard)
-        elif _is_linear_partial(ps[0]) and all(p == ps[0] for p in ps):
-            placements.append(ps[0])
-        else:
-            placements.append(_R)
+    placements = _list_placements(tensors)
     out = [_shift(p, dim, 1) for p in placements]
     targets = tuple(_spec(t, placements, t.shape) for t in tensors)
     return Decision(targets, DTensorSpec(tensors[0].mesh, tuple(out), (*shape[:dim], len(tensors), *shape[dim:])))
