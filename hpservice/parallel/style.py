@@ -12,9 +12,10 @@ On an ``nn.Embedding``: ``ColwiseParallel`` shards the embedding dim (weight ``S
 
 A parameter's gradient is redistributed to the parameter's placements (a tensor hook, put back
 before each forward when the parameter was replaced, e.g. by ``to_empty`` or a checkpoint load),
-so the optimizer sees matching layouts (the vocab-parallel embedding's gradient comes back replicated and is
-sliced locally: no communication). With ``use_local_output=True`` the output is the local ``torch.Tensor``, so plain
-modules (an activation) can sit between a colwise and a rowwise layer.
+so the optimizer sees matching layouts. The vocab-parallel embedding runs a local lookup whose
+backward builds only the local rows of its gradient. With ``use_local_output=True`` the output is
+the local ``torch.Tensor``, so plain modules (an activation) can sit between a colwise and a
+rowwise layer.
 
 Both accept ``input_layouts`` (the layout of a plain-tensor input; a DTensor input is taken as it
 is) and ``output_layouts`` (what the output is redistributed to) as in torch: e.g.
