@@ -31,9 +31,10 @@ def _bench(*args: str) -> tuple[list[str], dict]:
     return lines, json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("model", ["mlp", "llama"])
-def test_tp_bench_quick_runs_and_matches_single_process(model):
-    lines, report = _bench("--model", model)
+@pytest.mark.parametrize("model,extra", [("mlp", ()), ("llama", ()), ("llama", ("--sequence-parallel",))])
+def test_tp_bench_quick_runs_and_matches_single_process(model, extra):
+    lines, report = _bench("--model", model, *extra)
+    assert report["model_spec"]["sequence_parallel"] == bool(extra)
     assert any("config" in line and "step ms" in line and "|loss - single|" in line for line in lines), lines
     for name in ("ours", "torch", "single*"):
         assert any(line.split()[:1] == [name] for line in lines), f"no table row for {name}:\n" + "\n".join(lines)

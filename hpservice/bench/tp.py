@@ -45,6 +45,7 @@ Per config, reported:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ class ModelSpec:
     heads: int = 0
     kv_heads: int = 0
     vocab: int = 0
+    sequence_parallel: bool = False  # llama: the plan's sequence parallelism (both libraries)
 
     def llama_config(self):
         from hpservice.models.llama import LlamaConfig
@@ -98,7 +100,7 @@ class ModelSpec:
         cfg = self.llama_config()
         return (
             f"Llama: {self.depth} layers, dim {self.dim}, {self.heads} heads / {self.kv_heads} kv heads, "
-            f"ffn {cfg.ffn_hidden_dim}, vocab {self.vocab}"
+            f"ffn {cfg.ffn_hidden_dim}, vocab {self.vocab}" + (", sequence parallel" if self.sequence_parallel else "")
         )
 
     def batch_desc(self) -> str:
@@ -162,26 +164,43 @@ def _wrap_ours(spec: ModelSpec, model: nn.Module, world: int) -> nn.Module:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     if spec.kind == "mlp":
         return parallelize_module(model, mesh, _mlp_plan(model, ColwiseParallel, RowwiseParallel))
-    return apply_llama_tp(model, mesh)
+    return apply_llama_tp(model, mesh, sequence_parallel=spec.sequence_parallel)
 
 
-def torch_llama_plan(model: nn.Module) -> dict:
-    """torch styles on the module names of ``hpservice.parallel.llama_tp_plan`` (the default:
-    no sequence parallelism, vocab-parallel embedding)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def torch_llama_plan(model: nn.Module, sequence_parallel: bool = False) -> dict:
+    """torch styles on the module names of ``hpservice.parallel.llama_tp_plan`` (vocab-parallel
+    embedding; with ``sequence_parallel`` torchtitan's layout, as ours)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    seq = Shard(1) if sequence_parallel else Replicate()
     plan = {
         # torch's RowwiseParallel takes a plain input as Shard(-1) unless told: the ids are replicated.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(use_local_output=False),
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not sequence_parallel
+        ),
+        "output": ColwiseParallel(input_layouts=seq, use_local_output=False),
     }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
     for i in range(len(model.layers)):
         p = f"layers.{i}."
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[p + name] = ColwiseParallel()
-        plan[p + "attention.wo"] = RowwiseParallel()
-        plan[p + "feed_forward.w2"] = RowwiseParallel()
+        plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel)
+        plan[p + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel)
+        if sequence_parallel:
+            plan[p + "attention_norm"] = SequenceParallel()
+            plan[p + "ffn_norm"] = SequenceParallel()
+            plan[p + "attention"] = PrepareModuleInput(
+                input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+            )
+            plan[p + "feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     return plan
 
 
@@ -194,8 +213,8 @@ def _wrap_torch(spec: ModelSpec, model: nn.Module, world: int) -> nn.Module:
         return parallelize_module(model, mesh, _mlp_plan(model, ColwiseParallel, RowwiseParallel))
     from hpservice.parallel import llama_tp_plan
 
-    plan = torch_llama_plan(model)
-    ours = llama_tp_plan(model, world)
+    plan = torch_llama_plan(model, spec.sequence_parallel)
+    ours = llama_tp_plan(model, world, sequence_parallel=spec.sequence_parallel)
     if set(plan) != set(ours):  # the same module names as our plan, or the comparison is off
         raise AssertionError(f"torch plan {sorted(set(plan) ^ set(ours))} differ from llama_tp_plan")
     parallelize_module(model, mesh, plan)
@@ -290,6 +309,11 @@ def run(args: argparse.Namespace) -> int:
         print("tp: --world-size must be >= 2")
         return 2
     spec = SPECS[(args.model, args.quick)]
+    if args.sequence_parallel:
+        if spec.kind != "llama":
+            print("tp: --sequence-parallel needs --model llama")
+            return 2
+        spec = dataclasses.replace(spec, sequence_parallel=True)
     why = spec.check(args.world_size)
     if why:
         print(f"tp: {spec.kind}: {why}")
@@ -329,5 +353,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--world-size", type=int, default=2, help="number of local gloo ranks = tp degree (default 2)")
     p.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="model to train (default mlp)")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="llama: the plans' sequence parallelism (norms and residual stream sharded on the sequence)",
+    )
     h.add_step_options(p, loss_tol=1e-4)
     p.set_defaults(run=run)
