@@ -158,10 +158,16 @@ def lr_lambda(spec: JobSpec) -> Callable[[int], float]:
     return factor
 
 
-def _global_mean(value: torch.Tensor) -> float:
-    t = value.detach().to(torch.float64).reshape(1)
+def _step_consensus(loss: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
+    """One all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop.
+
+    A stop request reaches each rank's thread at its own moment; deciding on it together, after
+    the same step, keeps every rank issuing the same collectives (one rank checkpointing while
+    another starts a step would hang both)."""
+    flag = torch.tensor(float(stop_requested), dtype=torch.float64, device=loss.device)
+    t = torch.stack([loss.detach().to(torch.float64).reshape(()), flag])  # on the loss's device (nccl needs cuda)
     dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return t[0].item() / dist.get_world_size(), t[1].item() > 0
 
 
 class Trainer:
@@ -181,7 +187,8 @@ class Trainer:
         self.spec = spec
         self.on_metrics = on_metrics
         self.on_checkpoint = on_checkpoint
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set by request_stop, from another thread, on this rank
+        self._stopping = False  # agreed by all ranks after a step
         self.device = pick_device(spec)
         self._owns_group = init_distributed(self.device.type)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -292,7 +299,8 @@ class Trainer:
         self._uncommitted.clear()
 
     def request_stop(self) -> None:
-        """Finish the current step, checkpoint (if checkpoints are configured), and return from train()."""
+        """Stop after the step in which every rank has learned of the request (the ranks agree on it
+        in that step's loss all-reduce), checkpoint (if configured), and return from train()."""
         self._stop.set()
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -301,13 +309,13 @@ class Trainer:
         interval = self.spec.checkpoint.interval
         saved_at = None
         try:
-            while self.step < self.spec.training.steps and not self._stop.is_set():
+            while self.step < self.spec.training.steps and not self._stopping:
                 record = self.train_step()
                 history.append(record)
                 if interval and (self.step % interval == 0 or self.step == self.spec.training.steps):
                     self.save_checkpoint({"loss": record["loss"]})
                     saved_at = self.step
-            if self._stop.is_set() and self.checkpoints is not None and history and saved_at != self.step:
+            if self._stopping and self.checkpoints is not None and history and saved_at != self.step:
                 self.save_checkpoint({"loss": history[-1]["loss"]})
             if self.checkpoints is not None:
                 self.checkpoints.wait()
@@ -335,7 +343,7 @@ class Trainer:
                 loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
             loss.backward()
             loss_sum += loss.detach()
-        loss_value = _global_mean(loss_sum)
+        loss_value, self._stopping = _step_consensus(loss_sum, self._stop.is_set())
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad()
             if not spec.training.skip_nonfinite:

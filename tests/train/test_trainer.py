@@ -120,3 +120,19 @@ def test_torchrun_runs_the_example_end_to_end(tmp_path):
     assert "[tiny-cpu] step     4/4" in out.stdout
     assert len((tmp_path / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()) == 4
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
+
+
+def _stop_seen_by_rank_0_only(spec):
+    """Only rank 0 is asked to stop (its metrics callback, at step 2): every rank must stop after
+    the same step and checkpoint it, not one checkpointing while the other starts step 3."""
+    trainer = Trainer(spec, log_to_stdout=False)
+    trainer.on_metrics = lambda record: trainer.request_stop() if record["step"] == 2 else None
+    history = trainer.train()
+    return [r["step"] for r in history]
+
+
+def test_stop_requested_on_one_rank_stops_all_ranks_after_the_same_step(ranks, tmp_path):
+    spec = _spec(tmp_path, training={"steps": 50}, checkpoint={"interval": 100})
+    steps = ranks(2).run(_stop_seen_by_rank_0_only, spec, timeout=120)
+    assert steps[0] == steps[1] == [1, 2, 3]  # agreed in step 3's all-reduce
+    assert (tmp_path / "ckpt" / "step-00000003").is_dir()
