@@ -19,7 +19,9 @@ mesh ``(dp dims..., tp dims...)`` with placements ``(dp placements..., tp placem
 cuts a tensor dim that tp does not shard (dim 0 for a rowwise weight, dim 1 for a colwise one),
 so the nested placements describe exactly the bytes each rank holds, with no strided layout, and
 the optimizer, global norms and checkpoints (whose chunk offsets come from the spec) need nothing
-special.
+special. A parameter tp shards on every dim (a colwise bias) is cut again on a tp-sharded dim: its
+sharded form lives on the mesh ``(tp dims..., dp dims...)``, where nested placements (tp splits the
+dim first, then dp splits each piece) again describe the bytes exactly.
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ from hpservice.dtensor import DeviceMesh, DTensor, Replicate, Shard
 from hpservice.dtensor._layout import DTensorSpec, local_shard_size_and_offset
 
 
-def combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``(dp dims..., tp dims...)`` of one root mesh, for parameters sharded by both."""
-    root = dp_mesh._root
-    if tp_mesh._root is not root or set(dp_mesh._root_dims) & set(tp_mesh._root_dims):
+def combined_mesh(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
+    """The mesh ``(first's dims..., second's dims...)`` of their root mesh, for parameters sharded
+    by both fully_shard (the data-parallel mesh) and tensor parallelism."""
+    root = first._root
+    if second._root is not root or set(first._root_dims) & set(second._root_dims):
         raise ValueError(
-            f"fully_shard: a DTensor parameter on {tp_mesh!r} needs a data-parallel mesh from the same root mesh, "
-            f"on other dims (e.g. world['dp_shard'] and world['tp']); got {dp_mesh!r}"
+            f"fully_shard: a DTensor parameter needs a data-parallel mesh from the same root mesh as its own, "
+            f"on other dims (e.g. world['dp_shard'] and world['tp']); got {first!r} and {second!r}"
         )
     if not root.mesh_dim_names:
         raise ValueError("fully_shard: a DTensor parameter needs a root mesh with mesh_dim_names")
-    names = tuple(root.mesh_dim_names[d] for d in dp_mesh._root_dims + tp_mesh._root_dims)
+    names = tuple(root.mesh_dim_names[d] for d in first._root_dims + second._root_dims)
     return root[names]
 
 
@@ -63,21 +66,9 @@ class FSDPParam:
                 f"fully_shard: 0-d parameter {uses[0][1]!r} cannot be sharded; pass it in ignored_params"
             )
         tp_dims = {p.dim % param.ndim for p in self.tp_spec.placements if p.is_shard()} if self.tp_spec else set()
-        if shard_dim is None:  # the first dim tensor parallelism leaves whole
-            free = [d for d in range(param.ndim) if d not in tp_dims]
-            if not free:
-                raise NotImplementedError(
-                    f"fully_shard: parameter {uses[0][1]!r} of shape {tuple(param.shape)} is sharded on every dim "
-                    f"by its DTensor placements {self.tp_spec.placements} (e.g. a colwise bias); sharding it again "
-                    "over the data-parallel mesh is not built yet"
-                )
-            shard_dim = free[0]
+        if shard_dim is None:  # the first dim tensor parallelism leaves whole (dim 0 if it shards them all)
+            shard_dim = next((d for d in range(param.ndim) if d not in tp_dims), 0)
         self.shard_dim = shard_dim % param.ndim
-        if self.shard_dim in tp_dims:
-            raise ValueError(
-                f"fully_shard: shard_placement_fn chose dim {self.shard_dim} of {uses[0][1]!r}, which its DTensor "
-                f"placements {self.tp_spec.placements} already shard; choose another dim"
-            )
         self.mesh = mesh
         shard_mesh_dim = mesh.ndim - 1
         self.world = mesh.size(shard_mesh_dim)
@@ -90,9 +81,15 @@ class FSDPParam:
         placements = (Replicate(), Shard(self.shard_dim)) if hsdp else (Shard(self.shard_dim),)
         if self.tp_spec is None:
             self.spec = DTensorSpec(mesh, placements, self.shape, tuple(param.stride()))
-        else:
+        elif self.shard_dim not in tp_dims:  # different dims: the cuts commute, dp dims first
             self.spec = DTensorSpec(
                 combined_mesh(mesh, self.tp_spec.mesh), placements + self.tp_spec.placements, self.tp_spec.shape
+            )
+        else:
+            # FSDP cuts the tp piece again on the same dim (a colwise bias): the global dim is split
+            # by tp first, then by dp, which is what nested placements say on the mesh (tp..., dp...).
+            self.spec = DTensorSpec(
+                combined_mesh(self.tp_spec.mesh, mesh), self.tp_spec.placements + placements, self.tp_spec.shape
             )
         self.offset = 0  # set by the group
         self.sharded_param: nn.Parameter | None = None

@@ -16,14 +16,14 @@ from hpservice.spec import parse_job
 from hpservice.train import Trainer, clip_grad_norm_
 
 
-def _mlp():
+def _mlp(bias=False):
     torch.manual_seed(0)
     # hidden 37: uneven over tp 2 (19 + 18), and each tp piece uneven again over dp 2.
-    return nn.Sequential(nn.Linear(16, 37, bias=False), nn.GELU(), nn.Linear(37, 16), nn.LayerNorm(16))
+    return nn.Sequential(nn.Linear(16, 37, bias=bias), nn.GELU(), nn.Linear(37, 16), nn.LayerNorm(16))
 
 
-def _fsdp_tp_mlp_vs_single(shape, names):
-    ref = _mlp()
+def _fsdp_tp_mlp_vs_single(shape, names, bias=False):
+    ref = _mlp(bias)
     model = copy.deepcopy(ref)
     world = init_device_mesh("cpu", shape, mesh_dim_names=names)
     parallelize_module(model, world["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -37,13 +37,17 @@ def _fsdp_tp_mlp_vs_single(shape, names):
     def expect(dim, *tp):
         return (*dp[:-1], Shard(dim), *tp)
 
-    assert layouts == {
+    expected = {
         "0.weight": expect(1, Shard(0)),  # colwise: tp cuts rows, FSDP cuts columns
         "2.weight": expect(0, Shard(1)),  # rowwise: tp cuts columns, FSDP cuts rows
         "2.bias": expect(0, Replicate()),
         "3.weight": expect(0),  # not touched by tp: on the data-parallel mesh only
         "3.bias": expect(0),
     }
+    if bias:  # the colwise bias: tp cuts it, FSDP cuts each piece again, on the mesh (tp, dp...)
+        expected["0.bias"] = (Shard(0), *expect(0))
+        assert model[0].bias.device_mesh.mesh_dim_names == ("tp", *dp_names)
+    assert layouts == expected
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     dp_rank = dp_mesh.get_local_rank(dp_mesh.ndim - 1) + (dp_mesh.get_local_rank(0) * dp_mesh.size(1) if hsdp else 0)
     dp_size = dp_mesh.size()
@@ -76,21 +80,41 @@ def test_hsdp_over_tp_3d_mesh_equals_single_device(ranks):
     ranks(4).run(_fsdp_tp_mlp_vs_single, (2, 1, 2), ("dp_replicate", "dp_shard", "tp"))
 
 
-def _tp_params_fail_clearly():
-    world = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))
-    biased = parallelize_module(nn.Linear(4, 6), world["tp"], ColwiseParallel())  # 1-d bias sharded by tp
-    with pytest.raises(NotImplementedError, match="sharded on every dim"):
-        fully_shard(biased, mesh=world["dp_shard"])
-    weight_only = parallelize_module(nn.Linear(4, 6, bias=False), world["tp"], ColwiseParallel())
-    with pytest.raises(ValueError, match="already shard"):
-        fully_shard(weight_only, mesh=world["dp_shard"], shard_placement_fn=lambda p: Shard(0))
-    other = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+@pytest.mark.parametrize("shape,names", [((2, 2), ("dp_shard", "tp")), ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"))])
+def test_fully_shard_of_a_colwise_bias_equals_single_device(ranks, shape, names):
+    ranks(4).run(_fsdp_tp_mlp_vs_single, shape, names, True)
+
+
+def _shard_placement_on_a_tp_dim(ckpt_dir):
+    """shard_placement_fn may pick the dim tp shards: FSDP then cuts each tp piece again on it; a
+    checkpoint of it (DCP, chunk offsets from the spec) reads back as the full weight."""
+    import torch.distributed.checkpoint as dcp
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 7, bias=False)
+    model = parallelize_module(copy.deepcopy(ref), world["tp"], ColwiseParallel())
+    fully_shard(model, mesh=world["dp_shard"], shard_placement_fn=lambda p: Shard(0))
+    assert model.weight.placements == (Shard(0), Shard(0)) and model.weight.device_mesh.mesh_dim_names == (
+        "tp",
+        "dp_shard",
+    )
+    torch.testing.assert_close(model.weight.full_tensor(), ref.weight.detach())
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(model.weight.grad.full_tensor(), ref.weight.grad)  # both dp ranks saw x: mean = ref
+    dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
+    full = {"weight": torch.zeros(7, 4)}
+    dcp.load(full, checkpoint_id=ckpt_dir)
+    torch.testing.assert_close(full["weight"], ref.weight.detach())
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     with pytest.raises(ValueError, match="same root mesh"):
-        fully_shard(weight_only, mesh=other)
+        fully_shard(parallelize_module(nn.Linear(4, 6, bias=False), world["tp"], ColwiseParallel()), mesh=other)
 
 
-def test_fully_shard_of_tp_parameters_errors_are_clear(ranks):
-    ranks(2).run(_tp_params_fail_clearly)
+def test_fully_shard_on_a_tp_sharded_dim_and_errors(ranks, tmp_path):
+    ranks(4).run(_shard_placement_on_a_tp_dim, str(tmp_path / "ckpt"))
 
 
 # ---- the trainer: the tiny Llama on dp_shard 2 x tp 2 ---------------------------------------------
