@@ -3,7 +3,6 @@ dp_replicate x dp_shard x tp): parameters sharded by tp are sharded again over t
 dims of the same mesh; training equals a single device, and checkpoints reshard across layouts."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,10 @@ from torch import nn
 from hpservice.dtensor import DTensor, Replicate, Shard, init_device_mesh
 from hpservice.fsdp import fully_shard
 from hpservice.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from hpservice.spec import parse_job
-from hpservice.train import Trainer, clip_grad_norm_
+from hpservice.train import clip_grad_norm_
+
+from .._jobs import tiny_llama_job
+from .._jobs import train as _run
 
 
 def _mlp(bias=False):
@@ -121,23 +122,7 @@ def test_fully_shard_on_a_tp_sharded_dim_and_errors(ranks, tmp_path):
 
 
 def _spec(tmp, steps=4, checkpoint=None, **parallelism):
-    return parse_job(
-        {
-            "name": "t",
-            "model": {"name": "llama", "flavor": "tiny"},
-            "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
-            "training": {"steps": steps, "max_grad_norm": 1.0},
-            "optimizer": {"lr": 3.0e-3, "weight_decay": 0.01},
-            "lr_scheduler": {"warmup_steps": 2},
-            "parallelism": parallelism,
-            "metrics": {"dir": str(tmp)},
-            "checkpoint": {"dir": str(Path(tmp) / "ckpt"), **(checkpoint or {})},
-        }
-    )
-
-
-def _run(spec):
-    return Trainer(spec, log_to_stdout=False).train()
+    return tiny_llama_job(tmp, training={"steps": steps}, checkpoint=checkpoint or {}, parallelism=parallelism)
 
 
 def _close(run, ref):

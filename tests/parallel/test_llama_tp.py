@@ -3,7 +3,6 @@ ranks equals the single-device model with the same weights (logits, loss, every 
 ``parallelism.tp: 2`` training job gives the single-process losses."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ import torch.nn.functional as F
 from hpservice.dtensor import DTensor, Shard, init_device_mesh
 from hpservice.models.llama import Llama, LlamaConfig
 from hpservice.parallel import apply_llama_tp, llama_tp_plan, vocab_parallel_cross_entropy
-from hpservice.spec import parse_job
-from hpservice.train import Trainer
+
+from .._jobs import tiny_llama_job
+from .._jobs import train as _run
 
 
 def _model_vs_single(tp):
@@ -61,23 +61,7 @@ def test_llama_tp_heads_must_divide():
 
 
 def _spec(tmp, **parallelism):
-    return parse_job(
-        {
-            "name": "t",
-            "model": {"name": "llama", "flavor": "tiny"},
-            "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
-            "training": {"steps": 4, "max_grad_norm": 1.0},
-            "optimizer": {"lr": 3.0e-3, "weight_decay": 0.01},
-            "lr_scheduler": {"warmup_steps": 2},
-            "parallelism": parallelism,
-            "metrics": {"dir": str(tmp)},
-            "checkpoint": {"dir": str(Path(tmp) / "ckpt")},
-        }
-    )
-
-
-def _run(spec):
-    return Trainer(spec, log_to_stdout=False).train()
+    return tiny_llama_job(tmp, parallelism=parallelism)
 
 
 def test_trainer_tp2_equals_one_process(ranks, tmp_path):

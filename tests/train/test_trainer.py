@@ -9,30 +9,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hpservice.spec import parse_job
 from hpservice.train import Trainer, TrainingError
 
+from .._jobs import tiny_llama_job as _spec
+from .._jobs import train as _run
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _spec(tmp, **sections):
-    data = {
-        "name": "t",
-        "model": {"name": "llama", "flavor": "tiny"},
-        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
-        "training": {"steps": 4, "max_grad_norm": 1.0},
-        "optimizer": {"lr": 3.0e-3, "weight_decay": 0.01},
-        "lr_scheduler": {"warmup_steps": 2},
-        "metrics": {"dir": str(tmp)},
-        "checkpoint": {"dir": str(Path(tmp) / "ckpt")},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return parse_job(data)
-
-
-def _run(spec):
-    return Trainer(spec, log_to_stdout=False).train()
 
 
 def test_two_ranks_equal_one_process(ranks, tmp_path):
