@@ -29,6 +29,9 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
+    # Set on a view op's result computed from redistributed data (not an alias of its input):
+    # in-place writes into it raise instead of silently missing the input (``_dispatch``).
+    _copy_of: str | None = None
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -130,9 +133,14 @@ class DTensor(torch.Tensor):
         run_check: bool = False,
         shape: torch.Size | Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
+        grad_placements: Sequence[Placement] | None = None,
     ) -> DTensor:
         """Wrap this rank's piece. Without ``shape`` the global shape of sharded dims is found by
-        gathering the local sizes (exact for uneven shards; never "local size x ranks")."""
+        gathering the local sizes (exact for uneven shards; never "local size x ranks"): hot paths
+        pass ``shape``. ``run_check=True`` makes Replicate dims agree as torch does (rank 0 of each
+        replicating group broadcasts; the result then no longer aliases ``local_tensor``) and
+        checks sharded local shapes against ``shape``. ``grad_placements``: the placements the
+        gradient of ``local_tensor`` is redistributed to (default ``placements``)."""
         if device_mesh is None:
             raise ValueError("DTensor.from_local: device_mesh is required")
         if isinstance(local_tensor, DTensor):
@@ -150,9 +158,16 @@ class DTensor(torch.Tensor):
                 raise ValueError(
                     f"from_local: local shape {tuple(local_tensor.shape)} != {expected} for shape {tuple(shape)}"
                 )
+        if run_check:
+            local_tensor = _broadcast_replicas(local_tensor, device_mesh, placements)
         spec = DTensorSpec(device_mesh, placements, tuple(shape), tuple(stride) if stride is not None else None)
         if torch.is_grad_enabled() and local_tensor.requires_grad:
-            return _FromLocal.apply(local_tensor, spec)
+            grad_spec = (
+                spec
+                if grad_placements is None
+                else spec.with_placements(normalize_placements(grad_placements, device_mesh, local_tensor.ndim))
+            )
+            return _FromLocal.apply(local_tensor, spec, grad_spec)
         return DTensor(local_tensor, spec, requires_grad=False)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -168,22 +183,31 @@ class DTensor(torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
-        """A new DTensor with ``placements`` on ``device_mesh`` (same global value); this one is unchanged."""
+        """A new DTensor with ``placements`` on ``device_mesh`` (same global value); this one is unchanged.
+
+        ``forward_dtype``: cast before the collective (the result has that dtype);
+        ``backward_dtype``: the gradient's collective runs in it, then the gradient is cast back to
+        this tensor's dtype (default: the collective runs in this tensor's dtype), as torch's."""
         mesh = device_mesh if device_mesh is not None else self._spec.mesh
         if placements is None:
             raise ValueError("redistribute: placements is required")
         placements = normalize_placements(placements, mesh, self.ndim)
-        if mesh == self._spec.mesh and placements == self._spec.placements:
-            return self
+        src = self
+        if forward_dtype is not None and forward_dtype != self.dtype:
+            src = self.to(forward_dtype)  # differentiable: the gradient comes back in self's dtype
+        if mesh == self._spec.mesh and placements == self._spec.placements and backward_dtype is None:
+            return src
         dst = (
-            self._spec.with_placements(placements)
-            if mesh == self._spec.mesh
-            else DTensorSpec(mesh, placements, self._spec.shape, self._spec.stride)
+            src._spec.with_placements(placements)
+            if mesh == src._spec.mesh
+            else DTensorSpec(mesh, placements, src._spec.shape, src._spec.stride)
         )
-        if torch.is_grad_enabled() and self.requires_grad:
-            return _Redistribute.apply(self, dst, async_op)
-        return _redistribute(self, dst, async_op)
+        if torch.is_grad_enabled() and src.requires_grad:
+            return _Redistribute.apply(src, dst, async_op, backward_dtype)
+        return _redistribute(src, dst, async_op)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
@@ -219,8 +243,8 @@ def _grad_placements(forward: Sequence[Placement], grad: Sequence[Placement]) ->
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):
-        ctx.spec = spec
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_spec: DTensorSpec):
+        ctx.spec = grad_spec
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
@@ -228,7 +252,7 @@ class _FromLocal(torch.autograd.Function):
         target = ctx.spec.with_placements(_grad_placements(ctx.spec.placements, grad.placements))
         if grad._spec != target:
             grad = _redistribute(grad, grad._spec.with_placements(target.placements), False)
-        return grad._wait_local(), None
+        return grad._wait_local(), None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -249,16 +273,37 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt: DTensor, dst: DTensorSpec, async_op: bool):
+    def forward(ctx, dt: DTensor, dst: DTensorSpec, async_op: bool, backward_dtype: torch.dtype | None = None):
         ctx.src = dt._spec
+        ctx.backward_dtype = backward_dtype
         return _redistribute(dt, dst, async_op)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
         target = ctx.src.with_placements(_grad_placements(ctx.src.placements, grad.placements))
         if grad._spec.placements != target.placements:
+            dtype = grad.dtype
+            if ctx.backward_dtype is not None and ctx.backward_dtype != dtype:
+                grad = DTensor(grad._wait_local().to(ctx.backward_dtype), grad._spec, requires_grad=False)
             grad = _redistribute(grad, grad._spec.with_placements(target.placements), False)
-        return grad, None, None
+            if grad.dtype != dtype:
+                grad = DTensor(grad._wait_local().to(dtype), grad._spec, requires_grad=False)
+        return grad, None, None, None
+
+
+def _broadcast_replicas(local: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:
+    """``run_check``: every Replicate mesh dim takes the value of its group's rank 0, as torch's
+    from_local does; the gradient passes through unchanged (identity per rank)."""
+    dims = [i for i, p in enumerate(placements) if p.is_replicate() and mesh.size(i) > 1]
+    if not dims or local.is_meta:
+        return local
+    with torch.no_grad():
+        value = local.detach()
+        for i in dims:
+            value = C.broadcast(value, mesh.get_group(i), 0)
+    if local.requires_grad:
+        return local + (value - local).detach()
+    return value
 
 
 def _global_shape(local_shape, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, ...]:

@@ -82,7 +82,16 @@ def _classify(func) -> str:
     return "unsupported"
 
 
+# In-place ops that change a tensor's shape or strides: the wrapper's metadata is fixed at creation.
+_METADATA_INPLACE = {
+    "unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_", "resize_",
+    "resize_as_", "set_", "detach_",
+}  # fmt: skip
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    if _is_mutable(func) and args and isinstance(args[0], DTensor):
+        _check_inplace_target(func, args[0])
     kind = _classify(func)
     if kind == "pointwise":
         return _pointwise(func, args, kwargs)
@@ -116,6 +125,26 @@ def dispatch(func, args: tuple, kwargs: dict):
     if dts and func in RULES:
         return _run_rule(func, args, kwargs, dts)
     raise _unsupported(func, dts, "this operator has no sharding rule yet")
+
+
+def _check_inplace_target(func, self: DTensor) -> None:
+    """Refuse in-place writes that torch would apply but we could not: into a "view" that had to
+    be computed from redistributed data (the write would miss the original's shards), and
+    in-place ops that change the wrapper's shape."""
+    name = func.overloadpacket.__name__
+    if name in _METADATA_INPLACE and name != "detach_":
+        raise _unsupported(
+            func, [self], f"in-place {name} would change the DTensor's shape or strides; use the out-of-place op"
+        )
+    origin = self._copy_of
+    if origin is not None:
+        raise _unsupported(
+            func,
+            [self],
+            f"in-place write into the result of {origin}, which is not a view of its input: that input had "
+            "to be redistributed first, so the write would not reach it; redistribute the input to the "
+            "placements the view needs (or write out of place)",
+        )
 
 
 def _dtensors_in(args: tuple, kwargs: dict) -> list:
@@ -155,12 +184,15 @@ def _run_rule(func, args: tuple, kwargs: dict, dts):
     except RuleError as e:
         raise _unsupported(func, dts, str(e)) from None
     targets = iter(decision.targets)
+    moved = False
 
     def local(a):
+        nonlocal moved
         if isinstance(a, DTensor):
             target = next(targets)
             if a._spec is not target and a._spec != target:
                 a = _redistribute(a, target, False)
+                moved = True
             return a._wait_local()
         if isinstance(a, torch.Tensor) and a.ndim > 0:
             raise RuntimeError(
@@ -180,11 +212,20 @@ def _run_rule(func, args: tuple, kwargs: dict, dts):
     else:
         out = func(*local_args, **kwargs)
     if isinstance(decision.out, tuple):  # several outputs (native_layer_norm, max.dim, split)
-        return type(out)(
+        result = type(out)(
             None if o is None or s is None else DTensor(o, s, requires_grad=False)
             for o, s in zip(out, decision.out, strict=True)
         )
-    return DTensor(out, decision.out, requires_grad=False)
+        outs = result
+    else:
+        result = DTensor(out, decision.out, requires_grad=False)
+        outs = (result,)
+    if func.is_view and (moved or any(d._copy_of is not None for d in dts)):
+        # torch's result would alias the input; ours was computed from a redistributed copy.
+        for o in outs:
+            if o is not None:
+                o._copy_of = f"{func} on placements {dts[0].placements}"
+    return result
 
 
 def _list_operands(func, items, dts):

@@ -55,15 +55,16 @@ class FSDPParam:
 
     def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], shard_dim: int | None, mesh, hsdp: bool):
         self.uses = uses  # every (module, attribute name) that holds this parameter (tied weights)
-        self.requires_grad = param.requires_grad
+        self._requires_grad_at_init = param.requires_grad
         self.orig_dtype = param.dtype
         # Tensor parallelism: FSDP works on the local tensor; ``tp_spec`` is the parameter's layout.
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         local = param._local_tensor if self.tp_spec is not None else param
         self.shape = tuple(local.shape)  # what FSDP shards: the tp-local shape
-        if param.ndim == 0:
-            raise NotImplementedError(
-                f"fully_shard: 0-d parameter {uses[0][1]!r} cannot be sharded; pass it in ignored_params"
+        if param.ndim == 0:  # torch's error class and advice
+            raise ValueError(
+                f"fully_shard doesn't support scalar parameters ({uses[0][1]!r}). "
+                "Change it to a 1D tensor with numel equal to 1, or pass it in ignored_params."
             )
         tp_dims = {p.dim % param.ndim for p in self.tp_spec.placements if p.is_shard()} if self.tp_spec else set()
         if shard_dim is None:  # the first dim tensor parallelism leaves whole (dim 0 if it shards them all)
@@ -95,6 +96,63 @@ class FSDPParam:
         self.sharded_param: nn.Parameter | None = None
         self.unsharded_param: nn.Parameter | None = None
 
+    @property
+    def requires_grad(self) -> bool:
+        """Live: ``p.requires_grad_(False)`` on the sharded parameter after fully_shard freezes it
+        (no gradient is reduced or written, as in torch)."""
+        sp = self.sharded_param
+        return self._requires_grad_at_init if sp is None else sp.requires_grad
+
+    def registered_param(self) -> nn.Parameter | None:
+        module, name = self.uses[0]
+        return module._parameters.get(name)
+
+    def is_linked(self) -> bool:
+        """Whether the registered parameter is still our sharded DTensor over ``flat_shard``
+        (``to_empty``, ``load_state_dict(assign=True)``, ``_apply`` and attribute assignment
+        replace the parameter or its local tensor; forward would then read a stale buffer)."""
+        sp = self.sharded_param
+        return self.registered_param() is sp and sp._local_tensor is self._local_view
+
+    def relink(self, flat_shard: torch.Tensor) -> None:
+        """Make the registered parameter (whatever replaced ours) our sharded DTensor again: its
+        values are copied into this rank's slot of ``flat_shard`` (same dtype and device: the
+        group reallocates first if they changed) and its local tensor becomes the view of it."""
+        new = self.registered_param()
+        if new is None:
+            raise RuntimeError(f"fully_shard: parameter {self.uses[0][1]!r} was removed from its module")
+        if isinstance(new, DTensor):
+            if tuple(new.shape) != self.spec.shape:
+                raise RuntimeError(
+                    f"fully_shard: parameter {self.uses[0][1]!r} was replaced by a DTensor of shape "
+                    f"{tuple(new.shape)}; the sharded parameter has shape {self.spec.shape}"
+                )
+            if new._spec.mesh != self.spec.mesh or new._spec.placements != self.spec.placements:
+                new_local = new.redistribute(self.spec.mesh, self.spec.placements)._wait_local()
+            else:
+                new_local = new._wait_local()
+        elif tuple(new.shape) == self.spec.shape:  # a full plain tensor: keep this rank's piece
+            new_local = self.global_to_local(new.detach())
+        else:
+            raise RuntimeError(
+                f"fully_shard: parameter {self.uses[0][1]!r} was replaced by a tensor of shape {tuple(new.shape)}; "
+                f"expected a DTensor or a full tensor of shape {self.spec.shape}"
+            )
+        view = self.shard_view(flat_shard)
+        if not new_local.is_meta and new_local is not view:
+            with torch.no_grad():
+                view.copy_(new_local.detach())
+        if isinstance(new, nn.Parameter) and isinstance(new, DTensor):
+            # Keep the object (an optimizer or the caller may hold it): only its data moves.
+            new._local_tensor = view
+            new._spec = self.spec
+            self.sharded_param = new
+        else:
+            requires_grad = new.requires_grad
+            self.sharded_param = nn.Parameter(DTensor(view, self.spec), requires_grad=requires_grad)
+        self._local_view = view
+        self.swap_to(self.sharded_param)
+
     # ---- sharded form ---------------------------------------------------------------------
     def shard_view(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded piece inside a flat shard buffer (params, grads)."""
@@ -116,7 +174,8 @@ class FSDPParam:
             start = min(self.rank * self.chunk, self.shape[self.shard_dim])
             with torch.no_grad():
                 view.copy_(full.narrow(self.shard_dim, start, self.local_size))
-        self.sharded_param = nn.Parameter(DTensor(view, self.spec), requires_grad=self.requires_grad)
+        self.sharded_param = nn.Parameter(DTensor(view, self.spec), requires_grad=self._requires_grad_at_init)
+        self._local_view = view
 
     # ---- unsharded form -------------------------------------------------------------------
     def init_unsharded(self, flat_unsharded: torch.Tensor, offset: int) -> None:
@@ -129,6 +188,7 @@ class FSDPParam:
         if self.tp_spec is not None:
             unsharded = DTensor(unsharded, self.tp_spec)
         self.unsharded_param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
+        self.grad_hooked = False
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank-major all-gather output ``(S, C)`` -> this parameter's padded full slot."""
@@ -151,6 +211,8 @@ class FSDPParam:
         d = self.shard_dim
         dst = flat_in[:, self.offset : self.offset + self.numel]
         n = self.shape[d]
+        if self.numel == 0:  # a 0-size parameter: nothing to reduce
+            return
         if d == 0:
             # Row-major, the padded full gradient is the gradient followed by zero rows, and rank r's
             # slot holds rows [r*c, (r+1)*c): copy whole chunks, then the last partial one, no pad copy.

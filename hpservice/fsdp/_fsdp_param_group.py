@@ -73,39 +73,26 @@ class FSDPParamGroup:
     ):
         self.params = params
         self.mesh = mesh
+        self.state = ShardState.SHARDED
         self.hsdp = mesh.ndim == 2
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if self.hsdp else None
         self.world = mesh.size(mesh.ndim - 1)
         self.replicas = mesh.size(0) if self.hsdp else 1
+        self.mp_policy = mp_policy
+        self.device = device
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self._pin = self.offload and offload_policy.pin_memory and device.type == "cuda"
         dtypes = {p.orig_dtype for p in params}
         if len(dtypes) != 1:
             raise TypeError(f"fully_shard: parameters of one group must share a dtype, got {sorted(map(str, dtypes))}")
-        self.orig_dtype = dtypes.pop()
-        self.param_dtype = mp_policy.param_dtype or self.orig_dtype
-        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
-        self.device = device
-        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        shard_device = torch.device("cpu") if self.offload else device
-        pin = self.offload and offload_policy.pin_memory and device.type == "cuda"
 
         offset = 0
         for p in params:
             p.offset = offset
             offset += p.numel
         self.numel = offset  # C
-        S = self.world
-        self.flat_shard = torch.zeros(self.numel, dtype=self.orig_dtype, device=shard_device, pin_memory=pin)
-        self.grad_flat = torch.zeros(self.numel, dtype=self.orig_dtype, device=shard_device, pin_memory=pin)
-        same = self.param_dtype == self.orig_dtype and not self.offload
-        self.ag_in = self.flat_shard if same else torch.empty(self.numel, dtype=self.param_dtype, device=device)
-        self.ag_out = torch.empty(S * self.numel, dtype=self.param_dtype, device=device)
-        self.flat_unsharded = torch.empty(S * self.numel, dtype=self.param_dtype, device=device)
-        self.rs_in = torch.empty(S * self.numel, dtype=self.reduce_dtype, device=device)
-        self.rs_out = torch.empty(self.numel, dtype=self.reduce_dtype, device=device)
-        for p in params:
-            p.init_unsharded(self.flat_unsharded, S * p.offset)
-        _free(self.flat_unsharded)
+        self._allocate(dtypes.pop())
 
         self.state = ShardState.SHARDED
         self._ag_work = None
@@ -125,9 +112,86 @@ class FSDPParamGroup:
         self._reduce_pending = False
         self._unreduced: torch.Tensor | None = None  # reduce-scattered grads awaiting the replicate all-reduce
         self._needs_host_sync = False
-        for p in params:
-            if p.requires_grad:
-                p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        self._sync_requires_grad()
+
+    def _allocate(self, orig_dtype: torch.dtype) -> None:
+        """(Re)allocate the flat buffers for parameters of ``orig_dtype`` and (re)build the
+        unsharded parameters as views of them; the sharded parameters are relinked by the caller."""
+        self.orig_dtype = orig_dtype
+        self.param_dtype = self.mp_policy.param_dtype or orig_dtype
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
+        shard_device = torch.device("cpu") if self.offload else self.device
+        S, C, pin = self.world, self.numel, self._pin
+        self.flat_shard = torch.zeros(C, dtype=orig_dtype, device=shard_device, pin_memory=pin)
+        self.grad_flat = torch.zeros(C, dtype=orig_dtype, device=shard_device, pin_memory=pin)
+        same = self.param_dtype == orig_dtype and not self.offload
+        self.ag_in = self.flat_shard if same else torch.empty(C, dtype=self.param_dtype, device=self.device)
+        self.ag_out = torch.empty(S * C, dtype=self.param_dtype, device=self.device)
+        self.flat_unsharded = torch.empty(S * C, dtype=self.param_dtype, device=self.device)
+        self.rs_in = torch.empty(S * C, dtype=self.reduce_dtype, device=self.device)
+        self.rs_out = torch.empty(C, dtype=self.reduce_dtype, device=self.device)
+        for p in self.params:
+            p.init_unsharded(self.flat_unsharded, S * p.offset)
+        _free(self.flat_unsharded)
+
+    def _sync_requires_grad(self) -> None:
+        """Follow the sharded parameters' live ``requires_grad`` (torch does): the unsharded
+        parameter of a frozen one gets no gradient, so nothing is reduced or written for it."""
+        n = 0
+        for p in self.params:
+            live = p.requires_grad
+            u = p.unsharded_param
+            if u.requires_grad != live:
+                u.requires_grad_(live)
+            if live:
+                n += 1
+                if not p.grad_hooked:
+                    u.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                    p.grad_hooked = True
+        self._n_grad_params = n
+
+    # ---- parameter swaps ------------------------------------------------------------------------
+    def params_linked(self) -> bool:
+        """Cheap (identity checks): whether every registered parameter is still ours."""
+        if self.state is ShardState.UNSHARDED:
+            return all(
+                p.registered_param() is p.unsharded_param and p.sharded_param._local_tensor is p._local_view
+                for p in self.params
+            )
+        return all(p.is_linked() for p in self.params)
+
+    def relink_params(self) -> None:
+        """After something replaced registered parameters or their data (``to_empty``,
+        ``load_state_dict(assign=True)``, ``.double()``, ``_apply``), copy their values into
+        the flat shard the all-gather reads and register our DTensor views again, reallocating
+        the buffers when the dtype changed. As torch's ``reset_sharded_param``."""
+        # Whatever is registered now replaces our parameter, unless it is our unsharded form
+        # (reshard below re-registers the sharded form, which must not undo an assignment).
+        replaced = [p.registered_param() for p in self.params]
+        self.reshard()
+        for p, r in zip(self.params, replaced, strict=True):
+            if r is not None and r is not p.unsharded_param and r is not p.sharded_param:
+                p.swap_to(r)
+        registered = [p.registered_param() for p in self.params]
+        dtypes = {r.dtype for r in registered if r is not None}
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"fully_shard: parameters of one group must share a dtype, got {sorted(map(str, dtypes))}"
+            )
+        devices = {
+            (r._local_tensor if isinstance(r, DTensor) else r).device.type for r in registered if r is not None
+        } - {"meta"}
+        expected = self.flat_shard.device.type
+        if devices and devices != {expected}:
+            raise RuntimeError(
+                f"fully_shard: parameters moved to {sorted(devices)}; this group keeps its shards on {expected!r} "
+                "(the mesh's device, or cpu with CPU offload)"
+            )
+        if dtypes and dtypes != {self.orig_dtype}:
+            self._allocate(dtypes.pop())
+        for p in self.params:
+            p.relink(self.flat_shard)
+        self._sync_requires_grad()
 
     # ---- unshard / reshard ------------------------------------------------------------------
     def unshard(self) -> None:
@@ -154,6 +218,7 @@ class FSDPParamGroup:
             self.state = ShardState.UNSHARDED
 
     def use_unsharded(self) -> None:
+        self._sync_requires_grad()
         for p in self.params:
             p.swap_to(p.unsharded_param)
 

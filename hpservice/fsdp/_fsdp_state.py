@@ -88,6 +88,8 @@ class FSDPState:
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         if self.group is not None:
+            if not self.group.params_linked():  # a parameter or its data was replaced since the last step
+                self.group.relink_params()
             if not root._order_recorded and self not in root._order:
                 root._order.append(self)
             self.group.unshard()

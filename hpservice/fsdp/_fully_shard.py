@@ -79,6 +79,18 @@ class FSDPModule:
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.reshard()
 
+    def _apply(self, *args, **kwargs):
+        """``to_empty``, ``.double()``, ``.to(dtype)``, ``.cpu()``...: convert the sharded
+        parameters, then copy the results into the flat shard the all-gather reads (as torch's
+        FSDPModule._apply resets its sharded parameters)."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.reshard()
+        out = super()._apply(*args, **kwargs)
+        if group is not None:
+            group.relink_params()
+        return out
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients locally (no communication) until a
         backward with True reduces the sum once (gradient accumulation)."""
@@ -201,7 +213,14 @@ def fully_shard(
     for i, m in enumerate(modules):
         walk(m, "" if len(modules) == 1 else f"{i}.")
     params: list[FSDPParam] = []
-    for p, uses, _ in found.values():
+    for p, uses, fqns in found.values():
+        owner = getattr(p, _OWNER_ATTR, None)
+        if owner is not None:  # torch's check (at lazy init there; here at once)
+            raise ValueError(
+                f"Parameter '{fqns[0]}' is shared with a parameter already managed by another FSDP group "
+                f"('{owner}'). For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
+                "them in the same FSDP group."
+            )
         placement = shard_placement_fn(p) if shard_placement_fn is not None else None
         if placement is not None and not isinstance(placement, Shard):
             raise TypeError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r}")
@@ -213,22 +232,33 @@ def fully_shard(
     group = None
     if params:
         group = FSDPParamGroup(params, mesh, device, mp_policy, offload_policy)
-        for fp, (p, _, _) in zip(params, found.values(), strict=True):
+        for fp, (p, _, fqns) in zip(params, found.values(), strict=True):
             local = p._local_tensor if isinstance(p, DTensor) else p
             fp.init_sharded(local.detach() if local.is_meta else local.detach().to(device), group.flat_shard)
             fp.swap_to(fp.sharded_param)
+            # The original stays reachable wherever a module outside this group still holds it.
+            setattr(p, _OWNER_ATTR, f"{type(modules[0]).__name__}: {fqns[0]}")
     state = FSDPState(modules, group, mp_policy, reshard_after_forward)
     keys = {fqn: fp for fp, (_, _, fqns) in zip(params, found.values(), strict=True) for fqn in fqns}
     for i, m in enumerate(modules):
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
         local = {k[len(f"{i}.") :]: v for k, v in keys.items() if k.startswith(f"{i}.")} if len(modules) > 1 else keys
-        m.register_load_state_dict_pre_hook(functools.partial(_load_full_or_sharded, local))
+        m.register_load_state_dict_pre_hook(functools.partial(_load_full_or_sharded, local, group))
+        if group is not None:
+            m.register_state_dict_pre_hook(lambda *_, g=group: g.reshard())
+            m.register_load_state_dict_post_hook(lambda *_, g=group: g.relink_params())
     return module
 
 
-def _load_full_or_sharded(params: dict[str, FSDPParam], module, state_dict, prefix, *args) -> None:
+# Marks a parameter object fully_shard has taken (its FQN there), to refuse it in another group.
+_OWNER_ATTR = "_hpservice_fsdp_owner"
+
+
+def _load_full_or_sharded(params: dict[str, FSDPParam], group, module, state_dict, prefix, *args) -> None:
     """load_state_dict accepts sharded DTensors (any placements) or full tensors: each rank keeps its shard."""
+    if group is not None:
+        group.reshard()  # load into the sharded parameters (torch's pre-load hook does the same)
     for name, fp in params.items():
         key = prefix + name
         value = state_dict.get(key)

@@ -153,8 +153,8 @@ def _check_clear_errors():
     mesh = init_device_mesh("cpu", (2, 2))
     a = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0), Replicate()])
     b = distribute_tensor(torch.randn(4, 4), mesh, [Replicate(), Shard(1)])
-    c = a + b  # different layouts: b is redistributed to a's (as torch's DTensor does)
-    assert c.placements == a.placements and torch.equal(c.full_tensor(), a.full_tensor() + b.full_tensor())
+    c = a + b  # different layouts: each mesh dim keeps the operand's shard (local slices, as torch)
+    assert c.placements == (Shard(0), Shard(1)) and torch.equal(c.full_tensor(), a.full_tensor() + b.full_tensor())
     with pytest.raises(NotImplementedError, match=r"aten.cumsum.default .* no sharding rule yet"):
         torch.cumsum(a, 0)
     assert torch.allclose((a @ b).full_tensor(), a.full_tensor() @ b.full_tensor())  # mm has a sharding rule

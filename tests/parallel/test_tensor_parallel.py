@@ -112,8 +112,8 @@ def _check_reduction_and_pointwise_rules(world):
     assert out.placements == (Shard(1),)
     out = _compare(torch.add, [y, bias], [[P], [P]], mesh)
     assert out.placements == (P,)
-    out = _compare(torch.mul, [y, bias], [[P], [Shard(0)]], mesh)  # Partial reduced first
-    assert out.placements == (R,)
+    out = _compare(torch.mul, [y, bias], [[P], [Shard(0)]], mesh)  # Partial reduce-scattered to the shard
+    assert out.placements == (Shard(2),)
     out = _compare(torch.add, [x, x], [[P], [R]], mesh)  # same shape, Partial + Replicate
     assert out.placements == (R,)
     return True

@@ -300,9 +300,12 @@ _PARTIAL_ADD = {"add", "add_", "sub", "sub_"}
 
 @functools.lru_cache(maxsize=4096)
 def pointwise_decision(func, specs: tuple[DTensorSpec, ...], mutable: bool) -> Decision:
-    """Operands with different layouts: the output follows the highest-rank operand (``self`` for
-    in-place ops); every other operand is redistributed to the matching placements. Partial stays
-    only for add/sub of operands Partial with the same op; otherwise Partials are reduced first."""
+    """Operands with different layouts. In-place ops keep ``self``'s layout. Otherwise, per mesh
+    dim, the output is sharded where any operand is sharded on a dim of the output's size
+    (redistributing a Replicate operand to it is a local slice, so ``R * S(0)`` is ``S(0)`` with
+    no communication, as in torch); the dim most operands shard wins, then the lowest, so the
+    layout does not depend on operand order. Partial stays only for add/sub of operands Partial
+    with the same op; otherwise Partials are reduced (to the shard, or to Replicate)."""
     mesh = specs[0].mesh
     if any(s.mesh != mesh for s in specs):
         raise RuleError("all DTensor operands must share one mesh")
@@ -310,24 +313,36 @@ def pointwise_decision(func, specs: tuple[DTensorSpec, ...], mutable: bool) -> D
         out_shape = tuple(torch.broadcast_shapes(*(s.shape for s in specs)))
     except RuntimeError as e:
         raise RuleError(str(e)) from None
-    if mutable:
-        ref = specs[0]
-        if ref.shape != out_shape:
-            raise RuleError("in-place op: self cannot be broadcast")
-    else:
-        ref = max(specs, key=lambda s: (s.ndim, s.shape == out_shape))
-    lead = len(out_shape) - ref.ndim
+    ref = specs[0] if mutable else max(specs, key=lambda s: (s.ndim, s.shape == out_shape))
+    if mutable and ref.shape != out_shape:
+        raise RuleError("in-place op: self cannot be broadcast")
     linear_add = func.overloadpacket.__name__ in _PARTIAL_ADD
     out = []
-    for i, p in enumerate(ref.placements):
-        if p.is_shard():
-            d = p.dim + lead
-            out.append(Shard(d) if ref.shape[p.dim] == out_shape[d] else _R)
-        elif p.is_partial():
+    for i in range(mesh.ndim):
+        if mutable:
+            p = ref.placements[i]
+            if p.is_partial():  # self stays Partial only under add/sub of the same Partial
+                keep = linear_add and _is_linear_partial(p) and all(s.placements[i] == p for s in specs)
+                p = p if keep else _R
+            out.append(p)
+            continue
+        votes: dict[int, int] = {}
+        for s in specs:
+            p = s.placements[i]
+            if p.is_shard():
+                d = p.dim + len(out_shape) - s.ndim
+                if s.shape[p.dim] == out_shape[d] and out_shape[d] > 1:
+                    votes[d] = votes.get(d, 0) + 1
+        if votes:
+            out.append(Shard(min(votes, key=lambda d: (-votes[d], d))))
+            continue
+        partials = {s.placements[i] for s in specs if s.placements[i].is_partial()}
+        if len(partials) == 1:
+            p = partials.pop()
             keep = linear_add and _is_linear_partial(p) and all(s.placements[i] == p for s in specs)
             out.append(p if keep else _R)
         else:
-            out.append(p)
+            out.append(_R)
     targets = tuple(_spec(s, [_broadcast_placement(p, out_shape, s.shape) for p in out], s.shape) for s in specs)
     if mutable and targets[0] != specs[0]:
         raise RuleError("in-place op: self would need a redistribution; redistribute it first")

@@ -1,0 +1,294 @@
+"""torch's fully_shard recipes run through torch and through hpservice on the same gloo ranks.
+
+Each recipe is one a torch / torchtitan user writes: build on meta -> fully_shard -> to_empty
+-> init_weights; load_state_dict(assign=True); model.double(); freezing a parameter after
+fully_shard; a parameter shared between two groups. Ours must train exactly the model torch
+trains (and the single process computes), or raise where torch raises.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hpservice.dtensor import DTensor, Shard, distribute_tensor, init_device_mesh
+from hpservice.dtensor import random as dt_random
+from hpservice.fsdp import fully_shard
+from tests.fsdp._models import MLP, batch, global_mean, local_slice, reference_run
+
+STEPS = 3
+
+
+def _train(model, steps=STEPS, dtype=torch.float32):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, world)
+        x, y = local_slice(x, rank, world).to(dtype), local_slice(y, rank, world).to(dtype)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    return losses
+
+
+def _torch_api():
+    from torch.distributed.device_mesh import init_device_mesh as t_mesh
+    from torch.distributed.fsdp import fully_shard as t_fully_shard
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor import distribute_tensor as t_distribute
+
+    return t_mesh, t_fully_shard, TShard, t_distribute
+
+
+def _shard_blocks(model, shard_fn, mesh):
+    for block in model.blocks:
+        shard_fn(block, mesh=mesh)
+    shard_fn(model, mesh=mesh)
+    return model
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _init_weights(model):
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+
+# ---- build on meta -> fully_shard -> to_empty -> init_weights (torchtitan) ---------------------------
+
+
+def _check_meta_to_empty_init():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.device("meta"):
+        meta = MLP()
+    _shard_blocks(meta, fully_shard, mesh)
+    meta.to_empty(device="cpu")
+    dt_random.manual_seed(7)
+    _init_weights(meta)
+    assert all(isinstance(p, DTensor) and not p._local_tensor.is_meta for p in meta.parameters())
+
+    torch.manual_seed(0)
+    on_cpu = _shard_blocks(MLP(), fully_shard, mesh)
+    dt_random.manual_seed(7)
+    _init_weights(on_cpu)
+    initial = _full(meta)
+    for k, v in _full(on_cpu).items():
+        torch.testing.assert_close(initial[k], v, rtol=0, atol=1e-6)
+    assert any(v.abs().sum() > 0 for k, v in initial.items() if k.endswith("weight"))
+
+    # The single process from the same initial weights is what both must train.
+    ref = MLP()
+    ref.load_state_dict(initial)
+    ref, ref_losses = reference_run(ref, STEPS, dist.get_world_size())
+    losses = _train(meta)
+    assert _train(on_cpu) == pytest.approx(losses, abs=1e-6)
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    after = _full(meta)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=1e-5)
+    return True
+
+
+def test_meta_to_empty_init_weights_equals_the_model_built_on_cpu(ranks):
+    ranks(2).run(_check_meta_to_empty_init)
+
+
+# ---- load_state_dict(assign=True) and full-tensor load, ours vs torch -------------------------------
+
+
+def _check_load_state_dict(assign: bool):
+    t_mesh, t_fully_shard, TShard, t_distribute = _torch_api()
+    world = dist.get_world_size()
+    torch.manual_seed(1)
+    source = MLP()
+    full = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    torch.manual_seed(2)
+    base = MLP()  # different weights: the load must replace them
+
+    results = []
+    for mesh, shard_fn, dist_fn, placement in (
+        (init_device_mesh("cpu", (world,)), fully_shard, distribute_tensor, Shard(0)),
+        (t_mesh("cpu", (world,)), t_fully_shard, t_distribute, TShard(0)),
+    ):
+        model = _shard_blocks(copy.deepcopy(base), shard_fn, mesh)
+        _train(model, 1)  # after a first step too (torch resets its shards in a load post-hook)
+        sd = {k: dist_fn(v, mesh, [placement]) for k, v in full.items()}
+        model.load_state_dict(sd, assign=assign)
+        loaded = _full(model)
+        for k, v in full.items():
+            torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+        results.append(_train(model))
+    ref = MLP()
+    ref.load_state_dict(full)
+    _, ref_losses = reference_run(ref, STEPS, world)
+    ours, theirs = results
+    assert ours == pytest.approx(theirs, abs=1e-6)
+    assert ours == pytest.approx(ref_losses, abs=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("assign", [True, False], ids=["assign", "copy"])
+def test_load_state_dict_trains_the_loaded_weights_as_torch(ranks, assign):
+    ranks(2).run(_check_load_state_dict, assign)
+
+
+# ---- model.double() / .to(dtype) after fully_shard ------------------------------------------------
+
+
+def _check_double():
+    t_mesh, t_fully_shard, _, _ = _torch_api()
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    base = MLP()
+    ours = _shard_blocks(copy.deepcopy(base), fully_shard, init_device_mesh("cpu", (world,)))
+    theirs = _shard_blocks(copy.deepcopy(base), t_fully_shard, t_mesh("cpu", (world,)))
+    ours.double()
+    theirs.to(torch.float64)
+    assert all(p.dtype == torch.float64 and p._local_tensor.dtype == torch.float64 for p in ours.parameters())
+    ours_losses = _train(ours, dtype=torch.float64)
+    theirs_losses = _train(theirs, dtype=torch.float64)
+    ref = copy.deepcopy(base).double()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    ref_losses = []
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        loss = nn.functional.mse_loss(ref(x.double()), y.double())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert ours_losses == pytest.approx(theirs_losses, abs=1e-9)
+    assert ours_losses == pytest.approx(ref_losses, abs=1e-9)
+    return True
+
+
+def test_double_after_fully_shard_trains_in_float64_as_torch(ranks):
+    ranks(2).run(_check_double)
+
+
+# ---- requires_grad_(False) after fully_shard --------------------------------------------------------
+
+
+def _check_freeze_after_fully_shard():
+    t_mesh, t_fully_shard, _, _ = _torch_api()
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    base = MLP()
+    out = []
+    for model in (
+        _shard_blocks(copy.deepcopy(base), fully_shard, init_device_mesh("cpu", (world,))),
+        _shard_blocks(copy.deepcopy(base), t_fully_shard, t_mesh("cpu", (world,))),
+    ):
+        _train(model, 1)
+        model.blocks[1].up.weight.requires_grad_(False)
+        model.head.bias.requires_grad_(False)
+        frozen_before = _full(model)
+        opt_grads = []
+        x, y = batch(5, world)
+        rank = dist.get_rank()
+        nn.functional.mse_loss(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        for name, p in model.named_parameters():
+            opt_grads.append((name, p.grad is None))
+        model.zero_grad(set_to_none=True)
+        losses = _train(model)
+        after = _full(model)
+        for key in ("blocks.1.up.weight", "head.bias"):
+            torch.testing.assert_close(after[key], frozen_before[key], rtol=0, atol=0)
+        out.append((opt_grads, losses))
+    (our_grads, our_losses), (their_grads, their_losses) = out
+    assert our_grads == their_grads
+    assert dict(our_grads)["blocks.1.up.weight"] and dict(our_grads)["head.bias"]
+    assert our_losses == pytest.approx(their_losses, abs=1e-6)
+    return True
+
+
+def test_requires_grad_false_after_fully_shard_freezes_the_parameter_as_torch(ranks):
+    ranks(2).run(_check_freeze_after_fully_shard)
+
+
+# ---- a parameter shared between two FSDP groups --------------------------------------------------
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _check_shared_across_groups():
+    t_mesh, t_fully_shard, _, _ = _torch_api()
+    world = dist.get_world_size()
+    messages = []
+    for shard_fn, mesh in ((fully_shard, init_device_mesh("cpu", (world,))), (t_fully_shard, t_mesh("cpu", (world,)))):
+        model = _Tied()
+        with pytest.raises(ValueError, match=r"fully_shard\(\[module_a, module_b\]\)") as info:
+            shard_fn(model.a, mesh=mesh)
+            shard_fn(model.b, mesh=mesh)
+            shard_fn(model, mesh=mesh)
+            model(torch.randn(2, 4))  # torch raises at lazy init
+        messages.append(str(info.value))
+    # Both groups in one call keep the weight tied and equal to one process.
+    torch.manual_seed(0)
+    base = _Tied()
+    model = copy.deepcopy(base)
+    fully_shard([model.a, model.b], mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(3))
+    rank = dist.get_rank()
+    model(local_slice(x, rank, world)).pow(2).mean().backward()
+    base(x).pow(2).mean().backward()
+    assert model.a.weight is model.b.weight
+    torch.testing.assert_close(model.a.weight.grad.full_tensor(), base.a.weight.grad, atol=1e-6, rtol=0)
+    return messages
+
+
+def test_parameter_shared_between_groups_raises_as_torch(ranks):
+    ours, _ = ranks(2).run(_check_shared_across_groups)[0]
+    assert "blocks" not in ours and "weight" in ours
+
+
+# ---- 0-size and 0-d parameters ---------------------------------------------------------------------
+
+
+class _WithEmpty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x) + self.empty.sum()
+
+
+def _check_zero_size():
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    base = _WithEmpty()
+    model = fully_shard(copy.deepcopy(base), mesh=init_device_mesh("cpu", (world,)))
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(3))
+    model(local_slice(x, dist.get_rank(), world)).pow(2).mean().backward()
+    base(x).pow(2).mean().backward()
+    assert model.empty.grad.shape == (0, 4)
+    torch.testing.assert_close(model.lin.weight.grad.full_tensor(), base.lin.weight.grad, atol=1e-6, rtol=0)
+    scalar = nn.Module()
+    scalar.s = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="scalar parameters"):
+        fully_shard(scalar, mesh=init_device_mesh("cpu", (world,)))
+    return True
+
+
+def test_zero_size_parameter_trains_and_scalar_parameter_raises_value_error(ranks):
+    ranks(2).run(_check_zero_size)
