@@ -6,7 +6,10 @@ change of import::
     from hpservice.dtensor import DTensor, DeviceMesh, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 """
 
-from . import random
+from . import (
+    _torch_state_dict,  # noqa: F401  (registers our DTensor with torch's state-dict helpers)
+    random,
+)
 from ._api import DTensor, distribute_tensor
 from ._layout import DTensorSpec
 from ._redistribute import plan_redistribution

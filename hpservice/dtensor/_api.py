@@ -9,6 +9,7 @@ functions, so gradients flow back with the matching placements (as in torch's DT
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -70,6 +71,25 @@ class DTensor(torch.Tensor):
             self._local_tensor = self._pending.wait()
             self._pending = None
         return self._local_tensor
+
+    # ---- copies and pickles (torch.save, pickle, copy.deepcopy) -------------------------------
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        local = copy.deepcopy(self._wait_local().detach(), memo)
+        out = DTensor(local, self._spec, requires_grad=self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol):
+        """The local tensor, the spec (its mesh pickles by layout) and whether it is a Parameter;
+        loading re-binds the mesh to the loading process's groups."""
+        return (
+            _rebuild_dtensor,
+            (self._wait_local().detach(), self._spec, self.requires_grad, isinstance(self, torch.nn.Parameter)),
+        )
 
     def __tensor_flatten__(self):
         return ["_local_tensor"], self._spec
@@ -222,6 +242,31 @@ class DTensor(torch.Tensor):
 for _types in (_optim_foreach_supported_types, _util_foreach_supported_types):
     if DTensor not in _types:
         _types.append(DTensor)
+
+
+def _rebuild_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool, is_param: bool) -> DTensor:
+    out = DTensor(local, spec, requires_grad=requires_grad and not is_param)
+    return torch.nn.Parameter(out, requires_grad=requires_grad) if is_param else out
+
+
+def _register_safe_globals() -> None:
+    """``torch.load`` (weights_only, the default) may rebuild our DTensors: the functions below
+    build tensors and meshes from data, nothing else."""
+    from . import device_mesh, placement_types
+
+    torch.serialization.add_safe_globals(
+        [
+            _rebuild_dtensor,
+            DTensorSpec,
+            device_mesh._rebuild_mesh,
+            placement_types.Shard,
+            placement_types.Replicate,
+            placement_types.Partial,
+        ]
+    )
+
+
+_register_safe_globals()
 
 
 def _redistribute(src: DTensor, dst: DTensorSpec, async_op: bool) -> DTensor:

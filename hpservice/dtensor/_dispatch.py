@@ -48,6 +48,8 @@ _LAYOUT_OPS = {aten.copy_.default, aten.zero_.default, aten.fill_.Scalar, aten._
 _PARTIAL_SAFE = {"clone", "detach", "alias", "_to_copy", "copy_", "zero_", "neg", "neg_"}
 _PARTIAL_SCALE = {"mul", "mul_", "div", "div_"}
 _PARTIAL_ADD = {"add", "add_", "sub", "sub_"}
+# torch.optim's fused=True kernels: per-tensor elementwise updates over lists (params, grads, states).
+_FUSED_OPTIMIZERS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 _RANDOM = {"uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_"}
 
 
@@ -75,6 +77,8 @@ def _classify(func) -> str:
         return "random"
     if func in (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar):
         return "norm"
+    if name in _FUSED_OPTIMIZERS:  # elementwise per tensor, like the foreach ops
+        return "foreach"
     if name.startswith("_foreach_"):
         return "foreach" if _is_pointwise_name(name[len("_foreach_") :].rstrip("_")) else "unsupported"
     if torch.Tag.pointwise in func.tags or func in _LAYOUT_OPS:
@@ -190,7 +194,8 @@ def _run_rule(func, args: tuple, kwargs: dict, dts):
         nonlocal moved
         if isinstance(a, DTensor):
             target = next(targets)
-            if a._spec is not target and a._spec != target:
+            src = a._spec
+            if src is not target and (src.placements != target.placements or src.mesh != target.mesh):
                 a = _redistribute(a, target, False)
                 moved = True
             return a._wait_local()
@@ -255,7 +260,19 @@ def _replicated(func, args: tuple, kwargs: dict, spec: DTensorSpec):
     out = func(*_locals(args), **dict(zip(kwargs, _locals(kwargs.values()), strict=True)))
     if _is_mutable(func) and args and isinstance(args[0], DTensor):
         return args[0]
-    return _wrap(out, spec)
+    return _wrap_replicated(out, spec)
+
+
+def _wrap_replicated(out, spec: DTensorSpec):
+    """Fully replicated: the local result is the global one, strides included (``x.t()``)."""
+    if isinstance(out, torch.Tensor):
+        shape, stride = tuple(out.shape), tuple(out.stride())
+        if shape != spec.shape or stride != spec.stride:
+            spec = DTensorSpec(spec.mesh, spec.placements, shape, stride)
+        return DTensor(out, spec, requires_grad=False)
+    if isinstance(out, tuple | list):
+        return type(out)(_wrap_replicated(o, spec) for o in out)
+    return out
 
 
 def _locals(values) -> tuple:
@@ -457,6 +474,8 @@ def _partial_ok(func, args, dts) -> bool:
 
 def _wrap(out, spec: DTensorSpec):
     if isinstance(out, torch.Tensor):
+        if not spec.contiguous and out.is_contiguous():  # clone/contiguous() of a transposed view
+            spec = DTensorSpec(spec.mesh, spec.placements, spec.shape)
         if tuple(out.shape) == spec.local_shape:
             return DTensor(out, spec, requires_grad=False)
         # Only fully replicated operands may broadcast: the local result is the global one.

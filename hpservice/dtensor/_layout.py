@@ -49,7 +49,7 @@ def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, ndim
     out = []
     for p in placements:
         if not isinstance(p, Placement):
-            raise TypeError(f"placements: expected Shard/Replicate/Partial, got {p!r}")
+            p = _from_torch_placement(p)
         if isinstance(p, Shard):
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"{p!r} is out of range for a tensor with {ndim} dims")
@@ -59,10 +59,25 @@ def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, ndim
     return tuple(out)
 
 
+def _from_torch_placement(p) -> Placement:
+    """torch.distributed.tensor's Shard/Replicate/Partial (code written for torch's DTensor, such
+    as torch's state-dict helpers, passes them) as ours; anything else is an error."""
+    from .placement_types import Partial
+
+    if type(p).__module__.startswith("torch.distributed.tensor"):
+        if type(p).__name__ == "Shard":
+            return Shard(p.dim)
+        if type(p).__name__ == "Replicate":
+            return Replicate()
+        if type(p).__name__ == "Partial":
+            return Partial(p.reduce_op)
+    raise TypeError(f"placements: expected Shard/Replicate/Partial, got {p!r}")
+
+
 class DTensorSpec:
     """Immutable (mesh, placements, global shape, global stride); local shape/offset computed once."""
 
-    __slots__ = ("_hash", "_local", "mesh", "placements", "shape", "stride")
+    __slots__ = ("_hash", "_local", "contiguous", "mesh", "placements", "shape", "stride")
 
     def __init__(
         self,
@@ -74,12 +89,20 @@ class DTensorSpec:
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "shape", tuple(shape))
-        object.__setattr__(self, "stride", tuple(stride) if stride is not None else contiguous_strides(shape))
+        dense = contiguous_strides(shape)
+        object.__setattr__(self, "stride", tuple(stride) if stride is not None else dense)
+        object.__setattr__(self, "contiguous", self.stride == dense)
         object.__setattr__(self, "_hash", hash((mesh, placements, self.shape, self.stride)))
         object.__setattr__(self, "_local", None)
 
     def __setattr__(self, name, value):
         raise AttributeError("DTensorSpec is immutable")
+
+    def __deepcopy__(self, memo) -> DTensorSpec:
+        return self  # immutable and shared (AUDIT 12)
+
+    def __reduce__(self):
+        return (DTensorSpec, (self.mesh, self.placements, self.shape, self.stride))
 
     def __hash__(self) -> int:
         return self._hash

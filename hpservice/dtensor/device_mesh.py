@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -97,6 +98,24 @@ class DeviceMesh:
         index = self._rank_to_index.get(self._rank)
         self._coordinate = None if index is None else tuple(_unravel(index, self._shape))
         self._dim_groups = list(_dim_groups) if _dim_groups is not None else self._create_groups()
+        if _root is None:
+            _LIVE_ROOTS[self._key] = self
+
+    # ---- copies and pickles ------------------------------------------------------------------
+    def __deepcopy__(self, memo) -> DeviceMesh:
+        """A mesh is immutable and names process groups: copies share it (AUDIT 12)."""
+        return self
+
+    def __reduce__(self):
+        """Pickled by its layout (root mesh, which of its dims, flattened name); unpickling re-binds
+        to the live mesh of that layout in the loading process, or creates it (a collective: every
+        rank must unpickle it)."""
+        root = self._root
+        flat_name = next((n for n, m in root._flattened.items() if m is self), None)
+        return (
+            _rebuild_mesh,
+            (root.device_type, root.mesh.tolist(), root.mesh_dim_names, self._root_dims, self.mesh_dim_names, flat_name),
+        )
 
     # ---- construction -------------------------------------------------------------------
     def _create_groups(self) -> list[dist.ProcessGroup | None]:
@@ -264,6 +283,25 @@ class DeviceMesh:
         )
         root._flattened[name] = flat
         return flat
+
+
+# Root meshes alive in this process, by layout: unpickled meshes re-bind to their process groups.
+_LIVE_ROOTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _rebuild_mesh(device_type, root_mesh, root_names, root_dims, names, flat_name) -> DeviceMesh:
+    mesh_t = torch.tensor(root_mesh, dtype=torch.int64)
+    key = (device_type, tuple(mesh_t.shape), tuple(mesh_t.flatten().tolist()), root_names)
+    root = _LIVE_ROOTS.get(key)
+    if root is None:
+        root = DeviceMesh(device_type, mesh_t, mesh_dim_names=root_names)
+    if flat_name is not None:
+        return root._flattened.get(flat_name) or root[tuple(root.mesh_dim_names[d] for d in root_dims)].flatten(
+            flat_name
+        )
+    if tuple(root_dims) == tuple(range(root.ndim)):
+        return root
+    return root[tuple(names)]
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:

@@ -100,6 +100,11 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward(self, module, args, output):
+        if torch._C._current_graph_task_id() != -1:
+            # A forward run inside backward is activation checkpointing's recomputation: the
+            # parameters must stay unsharded for the backward that follows (post-backward
+            # reshards them), as in torch's FSDP.
+            return output
         grad = torch.is_grad_enabled()
         root = self.root
         if not root._order_recorded and self.group is not None and self not in root._post_order:

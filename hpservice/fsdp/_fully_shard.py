@@ -79,6 +79,20 @@ class FSDPModule:
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.reshard()
 
+    def __deepcopy__(self, memo):
+        raise AssertionError(
+            "fully_shard modules do not support deepcopy (as torch's FSDP); copy the model before fully_shard, "
+            "or build a new one and load model.state_dict() into it"
+        )
+
+    def __reduce_ex__(self, protocol):
+        import pickle
+
+        raise pickle.PicklingError(
+            "fully_shard modules cannot be pickled (as torch's FSDP); save model.state_dict() "
+            "(torch.save or torch.distributed.checkpoint) instead"
+        )
+
     def _apply(self, *args, **kwargs):
         """``to_empty``, ``.double()``, ``.to(dtype)``, ``.cpu()``...: convert the sharded
         parameters, then copy the results into the flat shard the all-gather reads (as torch's

@@ -58,7 +58,39 @@ def decide(func, args: tuple, kwargs: tuple) -> Decision:
     mesh = specs[0].mesh
     if any(s.mesh != mesh for s in specs):
         raise RuleError("all DTensor operands must share one mesh")
-    return RULES[func](func, args, dict(kwargs))
+    decision = RULES[func](func, args, dict(kwargs))
+    if func.is_view:
+        decision = _with_view_strides(func, args, kwargs, decision)
+    return decision
+
+
+def _with_view_strides(func, args: tuple, kwargs: tuple, decision: Decision) -> Decision:
+    """A view's global strides are torch's for the same view of the global tensor (``x.t()`` has
+    stride (1, n), so ``x.t().reshape(-1)`` copies as in torch): run the op on meta tensors."""
+
+    def meta(a):
+        if isinstance(a, DTensorSpec):
+            return torch.empty_strided(a.shape, a.stride, device="meta")
+        if isinstance(a, tuple):
+            return [meta(x) for x in a]
+        return a
+
+    try:
+        out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs})
+    except Exception:  # meta cannot run it: keep the rule's contiguous strides
+        return decision
+
+    def restride(spec, t):
+        if spec is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.shape:
+            return spec
+        stride = tuple(t.stride())
+        return spec if stride == spec.stride else DTensorSpec(spec.mesh, spec.placements, spec.shape, stride)
+
+    if isinstance(decision.out, tuple):
+        outs = tuple(restride(s, t) for s, t in zip(decision.out, out, strict=True))
+    else:
+        outs = restride(decision.out, out)
+    return decision._replace(out=outs)
 
 
 def flat_specs(args: tuple) -> list[DTensorSpec]:

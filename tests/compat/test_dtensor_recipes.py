@@ -1,0 +1,329 @@
+"""torch DTensor recipes through torch's DTensor and ours on the same gloo ranks: values, layouts
+(placements, shapes, strides), gradients and errors; where torch silently loses a write, ours
+raises."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hpservice.dtensor as ours
+from hpservice.fsdp import fully_shard
+
+
+def _torch():
+    import torch.distributed.tensor as t
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return t, init_device_mesh
+
+
+def _both(world):
+    t, t_mesh = _torch()
+    return (
+        (ours, ours.init_device_mesh("cpu", (world,))),
+        (t, t_mesh("cpu", (world,))),
+    )
+
+
+def _names(placements):
+    return tuple(type(p).__name__ + (f"({p.dim})" if hasattr(p, "dim") else "") for p in placements)
+
+
+# ---- layouts of pointwise ops and of gradients ------------------------------------------------------
+
+
+def _check_layouts():
+    world = dist.get_world_size()
+    full_a = torch.arange(24.0).reshape(4, 6)
+    full_b = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    results = []
+    for api, mesh in _both(world):
+        R, S = api.Replicate(), api.Shard
+        out = {}
+        a = api.distribute_tensor(full_a, mesh, [R])
+        b = api.distribute_tensor(full_b, mesh, [S(0)])
+        out["R*S"] = _names((a * b).placements), (a * b).full_tensor()
+        out["S*R"] = _names((b * a).placements), (b * a).full_tensor()
+        c = api.distribute_tensor(full_b, mesh, [S(1)])
+        out["S0+S1"] = (b + c).full_tensor()
+        for name, fn in (
+            ("leaf*leaf", lambda x: (x * x).mean()),
+            ("leaf*R", lambda x, a=a: (x * a).sum()),
+            ("R*leaf", lambda x, a=a: (a * x).sum()),
+            ("leaf.exp", lambda x: x.exp().sum()),
+        ):
+            leaf = api.distribute_tensor(full_b, mesh, [S(0)]).requires_grad_()
+            fn(leaf).backward()
+            out[name] = _names(leaf.grad.placements), leaf.grad.full_tensor()
+        r = api.distribute_tensor(torch.randn(3, 2, generator=torch.Generator().manual_seed(1)), mesh, [R])
+        out["t.stride"] = r.t().stride(), r.t().to_local().stride()
+        out["t.reshape"] = r.t().reshape(-1).full_tensor()
+        out["t.contiguous.stride"] = r.t().contiguous().stride()
+        results.append(out)
+    mine, theirs = results
+    for key, value in theirs.items():
+        got = mine[key]
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.Tensor):
+            assert got[0] == value[0], (key, got[0], value[0])
+            torch.testing.assert_close(got[1], value[1], rtol=0, atol=1e-6)
+        elif isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got, value, rtol=0, atol=1e-6)
+        else:
+            assert got == value, (key, got, value)
+    return True
+
+
+def test_pointwise_and_gradient_layouts_and_view_strides_match_torch(ranks):
+    ranks(2).run(_check_layouts)
+
+
+def _check_foreach_layouts():
+    mesh = ours.init_device_mesh("cpu", (dist.get_world_size(),))
+    t, t_mesh = _torch()
+    tm = t_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(2)
+    fulls = [torch.randn(5, 3, generator=g) for _ in range(3)]
+    placements = [[ours.Shard(0)], [ours.Replicate()], [ours.Shard(1)]]
+    mine = [ours.distribute_tensor(f, mesh, p) for f, p in zip(fulls, placements)]
+    theirs = [t.distribute_tensor(f, tm, [t.Shard(0)] if i == 0 else [t.Replicate()] if i == 1 else [t.Shard(1)])
+              for i, f in enumerate(fulls)]
+    for xs in (mine, theirs):
+        torch._foreach_mul_(xs, 2.0)
+        torch._foreach_add_(xs, xs)
+    outs = [torch._foreach_sqrt(xs) for xs in (mine, [x.abs() for x in theirs])]
+    for a, b in zip(mine, theirs):
+        assert _names(a.placements) == _names(b.placements)
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor())
+    for a in outs[0]:
+        assert isinstance(a, ours.DTensor)
+    return True
+
+
+def test_foreach_ops_keep_each_tensor_layout_as_torch(ranks):
+    ranks(2).run(_check_foreach_layouts)
+
+
+# ---- writes through views and in-place metadata changes ------------------------------------------
+
+
+def _check_view_writes():
+    mesh = ours.init_device_mesh("cpu", (dist.get_world_size(),))
+    R, S = ours.Replicate(), ours.Shard
+    x = ours.distribute_tensor(torch.arange(8.0), mesh, [S(0)])
+    x.view(-1).mul_(2)  # a local view: the write reaches the shards (as torch)
+    assert x.full_tensor().tolist() == [2.0 * i for i in range(8)]
+    y = ours.distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [S(1)])
+    with pytest.raises(NotImplementedError, match="not a view of its input"):
+        y.view(-1).mul_(2)  # S(1) must be gathered for view(-1): the write would be lost
+    assert y.full_tensor().tolist() == torch.arange(8.0).reshape(2, 4).tolist()
+    z = ours.distribute_tensor(torch.arange(8.0), mesh, [S(0)])
+    with pytest.raises(NotImplementedError, match="not a view of its input"):
+        z[1] = 7  # torch's DTensor silently drops this write
+    r = ours.distribute_tensor(torch.arange(4.0), mesh, [R])
+    with pytest.raises(NotImplementedError, match="unsqueeze_"):
+        r.unsqueeze_(0)
+    assert r.shape == (4,) and r.to_local().shape == (4,)
+    r[1] = 7  # replicated: the write is local and exact
+    assert r.full_tensor().tolist() == [0.0, 7.0, 2.0, 3.0]
+    return True
+
+
+def test_writes_through_views_apply_or_raise(ranks):
+    ranks(2).run(_check_view_writes)
+
+
+# ---- from_local ----------------------------------------------------------------------------------
+
+
+def _check_from_local():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for api, mesh in _both(world):
+        local = torch.full((2,), float(rank))
+        results.append(api.DTensor.from_local(local, mesh, [api.Replicate()], run_check=True).to_local())
+        if api is ours:  # torch broadcasts into the caller's tensor; ours leaves it alone
+            assert local.tolist() == [float(rank)] * 2
+    torch.testing.assert_close(results[0], results[1])
+    assert results[0].tolist() == [0.0, 0.0]
+    # The gradient of a Partial from_local is Replicate by default and with grad_placements=[R].
+    grads = []
+    for api, mesh in _both(world):
+        for gp in (None, [api.Replicate()]):
+            leaf = torch.arange(4.0, requires_grad=True)
+            d = api.DTensor.from_local(leaf * (rank + 1), mesh, [api.Partial()], grad_placements=gp)
+            (d.redistribute(mesh, [api.Replicate()]) * 3).sum().backward()
+            grads.append(leaf.grad)
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0])
+    mesh = ours.init_device_mesh("cpu", (world,))
+    t, _ = _torch()
+    # Torch placements are accepted where ours are expected (code written for torch's DTensor).
+    e = ours.distribute_tensor(torch.arange(6.0), mesh, [t.Shard(0)])
+    assert e.placements == (ours.Shard(0),)
+    # redistribute(forward_dtype=, backward_dtype=)
+    src = ours.distribute_tensor(torch.arange(6.0), mesh, [ours.Shard(0)]).requires_grad_()
+    out = src.redistribute(mesh, [ours.Replicate()], forward_dtype=torch.float64, backward_dtype=torch.float64)
+    assert out.dtype == torch.float64
+    out.sum().backward()
+    assert src.grad.dtype == torch.float32 and src.grad.full_tensor().tolist() == [1.0] * 6
+    return True
+
+
+def test_from_local_run_check_and_grad_placements_and_redistribute_dtypes(ranks):
+    ranks(2).run(_check_from_local)
+
+
+# ---- copies, pickles and torch.save ------------------------------------------------------------
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _check_copies():
+    world = dist.get_world_size()
+    mesh = ours.init_device_mesh("cpu", (world,))
+    x = ours.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [ours.Shard(0)])
+    p = nn.Parameter(ours.distribute_tensor(torch.arange(6.0), mesh, [ours.Shard(0)]))
+    for copied in (copy.deepcopy(x), pickle.loads(pickle.dumps(x))):
+        assert isinstance(copied, ours.DTensor) and copied.placements == x.placements
+        assert copied.device_mesh is mesh  # re-bound to this process's mesh and groups
+        assert torch.equal(copied.full_tensor(), x.full_tensor())
+        assert copied._local_tensor.data_ptr() != x._local_tensor.data_ptr()
+    q = copy.deepcopy(p)
+    assert isinstance(q, nn.Parameter) and isinstance(q, ours.DTensor) and q.requires_grad
+    assert copy.deepcopy(mesh) is mesh and pickle.loads(pickle.dumps(mesh)) is mesh
+    sub = ours.init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    assert pickle.loads(pickle.dumps(sub["tp"])) == sub["tp"]
+
+    # torch.save(model.state_dict()) of a fully_shard model, loaded with torch.load's defaults.
+    torch.manual_seed(0)
+    model = fully_shard(_MLP(), mesh=mesh)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)  # weights_only=True
+    for k, v in model.state_dict().items():
+        assert isinstance(loaded[k], ours.DTensor) and torch.equal(loaded[k].full_tensor(), v.full_tensor())
+    fresh = fully_shard(_MLP(), mesh=mesh)
+    fresh.load_state_dict(loaded)
+    inp = torch.randn(2, 4)
+    torch.testing.assert_close(fresh(inp), model(inp))
+    # An EMA / eval copy: copy the module before fully_shard, or deep-copy a tensor-parallel one;
+    # deep-copying a fully_shard module raises as torch's does.
+    with pytest.raises(AssertionError, match="deepcopy"):
+        copy.deepcopy(model)
+    with pytest.raises(pickle.PicklingError, match="state_dict"):
+        pickle.dumps(model)
+    from hpservice.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = parallelize_module(_MLP(), mesh, {"a": ColwiseParallel(), "b": RowwiseParallel()})
+    ema = copy.deepcopy(tp)
+    torch.testing.assert_close(ema(inp), tp(inp))
+    assert all(isinstance(p, ours.DTensor) for p in ema.parameters())
+    assert all(
+        p._local_tensor.data_ptr() != q._local_tensor.data_ptr()
+        for p, q in zip(ema.parameters(), tp.parameters())
+    )
+    return True
+
+
+def test_deepcopy_pickle_and_torch_save(ranks):
+    ranks(2).run(_check_copies)
+
+
+# ---- torch's state-dict helpers on our fully_shard model ------------------------------------------
+
+
+def _check_state_dict_helpers(world_opts):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = ours.init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = _MLP()
+    model = copy.deepcopy(base)
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(1))
+    model(x[rank * 4 : rank * 4 + 4]).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(model, options=full_opts)
+    osd = get_optimizer_state_dict(model, opt, options=full_opts)
+    expected = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 0:
+        assert sd.keys() == base.state_dict().keys()
+        for k, v in sd.items():
+            assert type(v) is torch.Tensor and v.shape == base.state_dict()[k].shape and v.device.type == "cpu"
+            torch.testing.assert_close(v, expected[k])
+        for state in osd["state"].values():
+            assert all(type(v) is torch.Tensor for v in state.values())
+    else:
+        assert sd == {}  # cpu_offload: rank 0 only, as torch
+    everywhere = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    # Plain tensors (AdamW's "step") come back as the optimizer's own objects, in torch too:
+    # copy, as a load from disk would, so the two optimizers below do not share step counters.
+    full_osd = copy.deepcopy(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
+
+    # Round trip into a fresh model and optimizer from full state dicts.
+    torch.manual_seed(5)
+    fresh = _MLP()
+    fully_shard(fresh.a, mesh=mesh)
+    fully_shard(fresh, mesh=mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    set_model_state_dict(fresh, everywhere, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(fresh, fresh_opt, full_osd, options=StateDictOptions(full_state_dict=True))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[k].full_tensor(), v.full_tensor())
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, theirs = fresh_opt.state[p][key], opt.state[q][key]
+            assert isinstance(mine, ours.DTensor) and mine.placements == theirs.placements
+            torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor())
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert float(fresh_opt.state[p]["step"]) == float(opt.state[q]["step"])
+    # Both continue identically.
+    for m in (model, fresh):
+        m(x[rank * 4 : rank * 4 + 4]).pow(2).mean().backward()
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor())
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert [id(p) for p in fresh_opt.param_groups[0]["params"]] == [id(p) for p in fresh.parameters()]
+    for o in (opt, fresh_opt):
+        o.step()
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            a, b = fresh_opt.state[p][key], opt.state[q][key]
+            a = a.full_tensor() if isinstance(a, ours.DTensor) else a
+            b = b.full_tensor() if isinstance(b, ours.DTensor) else b
+            torch.testing.assert_close(a, b, msg=key)
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor())
+    # Sharded (default) options keep our DTensors.
+    sharded = get_model_state_dict(model)
+    assert all(isinstance(v, ours.DTensor) for v in sharded.values())
+    return True
+
+
+def test_torch_state_dict_helpers_full_and_round_trip(ranks):
+    ranks(2).run(_check_state_dict_helpers, None)
