@@ -284,6 +284,10 @@ class DeviceMesh:
         root._flattened[name] = flat
         return flat
 
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """torch's name for ``flatten``."""
+        return self.flatten(mesh_dim_name)
+
 
 # Root meshes alive in this process, by layout: unpickled meshes re-bind to their process groups.
 _LIVE_ROOTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()

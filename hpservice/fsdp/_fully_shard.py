@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -178,7 +179,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -198,8 +199,6 @@ def fully_shard(
         raise TypeError(f"fully_shard: expected an nn.Module or a list of them, got {module!r}")
     if any(isinstance(m, FSDPModule) for m in modules):
         raise ValueError("fully_shard: module is already fully_shard-ed")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"fully_shard(reshard_after_forward): expected None or a bool, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard(mp_policy): expected a MixedPrecisionPolicy, got {mp_policy!r}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -207,6 +206,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard(mesh): expected a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh, got {mesh!r}")
+    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     ignored = {id(p) for p in ignored_params or ()}
     device = group_device(mesh)
 
@@ -267,6 +267,34 @@ def fully_shard(
 
 # Marks a parameter object fully_shard has taken (its FQN there), to refuse it in another group.
 _OWNER_ATTR = "_hpservice_fsdp_owner"
+
+
+def _resolve_reshard_after_forward(value, shard_size: int) -> bool | None:
+    """torch's rules: None, a bool, or an int that divides the shard group size; 1 means False
+    (with torch's warning) and the shard size means True. Other ints (reshard to a smaller group
+    after forward, e.g. within a node) are not built yet: a clear error, never a silent True."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(
+            "reshard_after_forward should be a bool or an int representing the group size to reshard to, "
+            f"not {value!r}"
+        )
+    if value < 1 or value > shard_size or shard_size % value != 0:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {shard_size}, not {value}")
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+            "instead of reshard_after_forward=True (bool)",
+            stacklevel=3,
+        )
+        return False
+    if value == shard_size:
+        return True
+    raise NotImplementedError(
+        f"fully_shard(reshard_after_forward={value}): resharding to a group of {value} of the {shard_size} "
+        "shard ranks after forward is not built yet; use True (reshard fully) or False"
+    )
 
 
 def _load_full_or_sharded(params: dict[str, FSDPParam], group, module, state_dict, prefix, *args) -> None:

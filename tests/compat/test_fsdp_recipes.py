@@ -292,3 +292,38 @@ def _check_zero_size():
 
 def test_zero_size_parameter_trains_and_scalar_parameter_raises_value_error(ranks):
     ranks(2).run(_check_zero_size)
+
+
+# ---- integer reshard_after_forward and DeviceMesh._flatten ---------------------------------------
+
+
+def _check_int_reshard_after_forward():
+    t_mesh, t_fully_shard, _, _ = _torch_api()
+    world = dist.get_world_size()
+    for value in (0, 3, 2.5):
+        for shard_fn, mesh in ((fully_shard, init_device_mesh("cpu", (world,))), (t_fully_shard, t_mesh("cpu", (world,)))):
+            with pytest.raises(ValueError, match="reshard_after_forward"):
+                shard_fn(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=value)
+    mesh = init_device_mesh("cpu", (world,))
+    with pytest.warns(UserWarning, match="world size 1"):
+        one = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=1)
+    assert one._fsdp_state._reshard_after_forward is False
+    full = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=world)
+    assert full._fsdp_state._reshard_after_forward is True
+    grid = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    assert grid._flatten() is grid.flatten()
+    return True
+
+
+def test_integer_reshard_after_forward_follows_torch_rules(ranks):
+    ranks(2).run(_check_int_reshard_after_forward)
+
+
+def _check_int_reshard_not_built():
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (4,)), reshard_after_forward=2)
+    return True
+
+
+def test_integer_reshard_to_a_smaller_group_raises_not_built(ranks):
+    ranks(4).run(_check_int_reshard_not_built)
