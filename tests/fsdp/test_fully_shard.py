@@ -503,15 +503,25 @@ def test_audit_07_offload_syncs_if_any_group_needs_it(ranks):
 
 def _check_low_precision_reduce_no_overflow():
     torch.manual_seed(0)
-    model = _wrap(
-        MLP(), _mesh((2, 2)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
-    )
-    x, y = batch(0, 4)
-    # A loss scale that makes fp16 gradients near the top of the range: summing 4 of them overflows,
-    # pre/post division does not.
-    out = model(local_slice(x, dist.get_rank(), 4))
-    (nn.functional.mse_loss(out.float(), local_slice(y, dist.get_rank(), 4)) * 2.0e4).backward()
-    assert all(torch.isfinite(p.grad.full_tensor()).all() for p in model.parameters())
+    base = MLP()
+    grads = []
+    for reduce_dtype in (torch.float16, torch.float32):  # the fp32 reduction is the reference
+        model = _wrap(
+            copy.deepcopy(base),
+            _mesh((2, 2)),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype),
+        )
+        x, y = batch(0, 4)
+        # A loss scale that makes fp16 gradients near the top of the range: summing 4 of them
+        # overflows, pre/post division does not.
+        out = model(local_slice(x, dist.get_rank(), 4))
+        (nn.functional.mse_loss(out.float(), local_slice(y, dist.get_rank(), 4)) * 2.0e4).backward()
+        grads.append({n: p.grad.full_tensor().float() for n, p in model.named_parameters()})
+    fp16, fp32 = grads
+    assert max(g.abs().max().item() for g in fp32.values()) * 4 > torch.finfo(torch.float16).max / 8
+    for name, ref in fp32.items():
+        assert torch.isfinite(fp16[name]).all(), name
+        torch.testing.assert_close(fp16[name], ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item()), name
     return True
 
 
