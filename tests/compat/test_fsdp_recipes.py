@@ -16,24 +16,9 @@ import torch.nn as nn
 from hpservice.dtensor import DTensor, Shard, distribute_tensor, init_device_mesh
 from hpservice.dtensor import random as dt_random
 from hpservice.fsdp import fully_shard
-from tests.fsdp._models import MLP, batch, global_mean, local_slice, reference_run
+from tests.fsdp._models import MLP, batch, local_slice, reference_run, sharded_run
 
 STEPS = 3
-
-
-def _train(model, steps=STEPS, dtype=torch.float32):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, world)
-        x, y = local_slice(x, rank, world).to(dtype), local_slice(y, rank, world).to(dtype)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses
 
 
 def _torch_api():
@@ -88,8 +73,8 @@ def _check_meta_to_empty_init():
     ref = MLP()
     ref.load_state_dict(initial)
     ref, ref_losses = reference_run(ref, STEPS, dist.get_world_size())
-    losses = _train(meta)
-    assert _train(on_cpu) == pytest.approx(losses, abs=1e-6)
+    losses = sharded_run(meta, STEPS)
+    assert sharded_run(on_cpu, STEPS) == pytest.approx(losses, abs=1e-6)
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     after = _full(meta)
     for k, v in ref.state_dict().items():
@@ -119,13 +104,13 @@ def _check_load_state_dict(assign: bool):
         (t_mesh("cpu", (world,)), t_fully_shard, t_distribute, TShard(0)),
     ):
         model = _shard_blocks(copy.deepcopy(base), shard_fn, mesh)
-        _train(model, 1)  # after a first step too (torch resets its shards in a load post-hook)
+        sharded_run(model, 1)  # after a first step too (torch resets its shards in a load post-hook)
         sd = {k: dist_fn(v, mesh, [placement]) for k, v in full.items()}
         model.load_state_dict(sd, assign=assign)
         loaded = _full(model)
         for k, v in full.items():
             torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
-        results.append(_train(model))
+        results.append(sharded_run(model, STEPS))
     ref = MLP()
     ref.load_state_dict(full)
     _, ref_losses = reference_run(ref, STEPS, world)
@@ -153,18 +138,9 @@ def _check_double():
     ours.double()
     theirs.to(torch.float64)
     assert all(p.dtype == torch.float64 and p._local_tensor.dtype == torch.float64 for p in ours.parameters())
-    ours_losses = _train(ours, dtype=torch.float64)
-    theirs_losses = _train(theirs, dtype=torch.float64)
-    ref = copy.deepcopy(base).double()
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
-    ref_losses = []
-    for step in range(STEPS):
-        x, y = batch(step, world)
-        loss = nn.functional.mse_loss(ref(x.double()), y.double())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ours_losses = sharded_run(ours, STEPS, dtype=torch.float64)
+    theirs_losses = sharded_run(theirs, STEPS, dtype=torch.float64)
+    _, ref_losses = reference_run(copy.deepcopy(base).double(), STEPS, world, dtype=torch.float64)
     assert ours_losses == pytest.approx(theirs_losses, abs=1e-9)
     assert ours_losses == pytest.approx(ref_losses, abs=1e-9)
     return True
@@ -187,7 +163,7 @@ def _check_freeze_after_fully_shard():
         _shard_blocks(copy.deepcopy(base), fully_shard, init_device_mesh("cpu", (world,))),
         _shard_blocks(copy.deepcopy(base), t_fully_shard, t_mesh("cpu", (world,))),
     ):
-        _train(model, 1)
+        sharded_run(model, 1)
         model.blocks[1].up.weight.requires_grad_(False)
         model.head.bias.requires_grad_(False)
         frozen_before = _full(model)
@@ -198,7 +174,7 @@ def _check_freeze_after_fully_shard():
         for name, p in model.named_parameters():
             opt_grads.append((name, p.grad is None))
         model.zero_grad(set_to_none=True)
-        losses = _train(model)
+        losses = sharded_run(model, STEPS)
         after = _full(model)
         for key in ("blocks.1.up.weight", "head.bias"):
             torch.testing.assert_close(after[key], frozen_before[key], rtol=0, atol=0)

@@ -48,16 +48,42 @@ def global_mean(value: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
-def reference_run(model: nn.Module, steps: int, world: int, lr: float = 0.01):
+def reference_run(model: nn.Module, steps: int, world: int, lr: float = 0.01, dtype: torch.dtype = torch.float32):
     """Single process on the concatenated global batch: the result every configuration must match."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses = []
     for step in range(steps):
         x, y = batch(step, world)
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return model, losses
+
+
+def sharded_run(model, steps, grad_accum=1, clip=None, dtype: torch.dtype = torch.float32):
+    """The same training as ``reference_run``, each rank on its slice of the global batch; returns
+    the global mean loss per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, world)
+        x, y = local_slice(x, rank, world).to(dtype), local_slice(y, rank, world).to(dtype)
+        total = 0.0
+        for micro in range(grad_accum):
+            last = micro == grad_accum - 1
+            if grad_accum > 1:
+                model.set_requires_gradient_sync(last)
+            xm, ym = local_slice(x, micro, grad_accum), local_slice(y, micro, grad_accum)
+            loss = nn.functional.mse_loss(model(xm), ym) / grad_accum
+            loss.backward()
+            total += global_mean(loss)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses

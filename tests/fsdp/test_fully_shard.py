@@ -12,7 +12,7 @@ import hpservice.fsdp._fsdp_param_group as group_module
 from hpservice.dtensor import DTensor, Replicate, Shard, init_device_mesh
 from hpservice.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ._models import MLP, batch, global_mean, local_slice, reference_run
+from ._models import MLP, batch, local_slice, reference_run, sharded_run
 
 STEPS = 3
 
@@ -53,30 +53,6 @@ def _wrap(model, mesh, nested=True, **kwargs):
     return model
 
 
-def _train(model, steps, grad_accum=1, clip=None):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, world)
-        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
-        total = 0.0
-        for micro in range(grad_accum):
-            last = micro == grad_accum - 1
-            if grad_accum > 1:
-                model.set_requires_gradient_sync(last)
-            xm, ym = local_slice(x, micro, grad_accum), local_slice(y, micro, grad_accum)
-            loss = nn.functional.mse_loss(model(xm), ym) / grad_accum
-            loss.backward()
-            total += global_mean(loss)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
-
-
 def _assert_matches(model, ref, losses, ref_losses, atol=1e-5):
     assert losses == pytest.approx(ref_losses, abs=atol)
     ours = dict(model.named_parameters())
@@ -93,7 +69,7 @@ def _check_parity(mesh_shape, nested, reshard_after_forward):
     model = _wrap(copy.deepcopy(base), _mesh(mesh_shape), nested=nested, reshard_after_forward=reshard_after_forward)
     expected = (Replicate(), Shard(0)) if len(mesh_shape) == 2 else (Shard(0),)
     assert all(p.placements == expected for p in model.parameters())
-    _assert_matches(model, ref, _train(model, STEPS), ref_losses)
+    _assert_matches(model, ref, sharded_run(model, STEPS), ref_losses)
     return True
 
 
@@ -134,7 +110,7 @@ def _check_grad_accumulation():
     ref, ref_losses = reference_run(base, STEPS, dist.get_world_size())
     model = _wrap(copy.deepcopy(base), _mesh((2, 2)))
     with CollectiveCounter() as c:
-        losses = _train(model, STEPS, grad_accum=2)
+        losses = sharded_run(model, STEPS, grad_accum=2)
     _assert_matches(model, ref, losses, ref_losses)
     groups = 4  # 3 blocks + root
     # Accumulation reduces once per step, not once per micro-batch.
@@ -177,7 +153,7 @@ def _check_audit_11_bucketing():
     torch.manual_seed(0)
     model = _wrap(MLP(), _mesh((2,)))
     with CollectiveCounter() as c:
-        _train(model, 2)
+        sharded_run(model, 2)
     groups = 4
     # Per step: one all-gather per group in forward, once more per resharded group in backward
     # (the root keeps its params), and one reduce-scatter per group: never one per parameter.
@@ -197,9 +173,9 @@ def _check_audit_13_persistent_buffers():
     groups = [s.group for s in model._fsdp_states(True)]
     before = [(g.rs_out.data_ptr(), g.grad_flat.data_ptr(), g.flat_shard.data_ptr()) for g in groups]
     unsharded = [[p.unsharded_param for p in g.params] for g in groups]
-    _train(model, 1)
+    sharded_run(model, 1)
     scratch = [(g.ag_out.data_ptr(), g.rs_in.data_ptr()) for g in groups]
-    _train(model, 1)
+    sharded_run(model, 1)
     after = [(g.rs_out.data_ptr(), g.grad_flat.data_ptr(), g.flat_shard.data_ptr()) for g in groups]
     assert before == after
     # The unsharded parameters are the same objects every step (their storage regrows in place).
@@ -230,7 +206,7 @@ def _check_offload_and_clip():
         opt.zero_grad()
         ref_losses.append(loss.item())
     model = _wrap(copy.deepcopy(base), _mesh((2,)), offload_policy=CPUOffloadPolicy())
-    losses = _train(model, STEPS, clip=0.05)  # the clipping norm is global, not per rank
+    losses = sharded_run(model, STEPS, clip=0.05)  # the clipping norm is global, not per rank
     _assert_matches(model, ref, losses, ref_losses)
     return True
 
@@ -264,7 +240,7 @@ def _check_mixed_precision():
     model = _wrap(copy.deepcopy(base), _mesh((2,)), mp_policy=mp)
     out_dtypes = []
     model.register_forward_hook(lambda m, a, o: out_dtypes.append(o.dtype))
-    _train(model, STEPS)
+    sharded_run(model, STEPS)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded masters stay fp32
     for name, q in master.named_parameters():
         p = dict(model.named_parameters())[name]
@@ -289,7 +265,7 @@ def _check_ignored_and_shard_placement():
     fully_shard(model, mesh=mesh, ignored_params=ignored)
     assert not isinstance(model.head.bias, DTensor)  # untouched
     assert model.blocks[0].up.weight.placements == (Shard(1),)
-    losses = _train(model, STEPS)
+    losses = sharded_run(model, STEPS)
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     for name, q in ref.named_parameters():
         p = dict(model.named_parameters())[name]
@@ -381,8 +357,8 @@ def _check_torch_fsdp2_parity():
         torch_fully_shard(b, mesh=tmesh)
     torch_fully_shard(theirs, mesh=tmesh)
     ours = _wrap(copy.deepcopy(base), _mesh((dist.get_world_size(),)))
-    losses_theirs = _train(theirs, STEPS)
-    losses_ours = _train(ours, STEPS)
+    losses_theirs = sharded_run(theirs, STEPS)
+    losses_ours = sharded_run(ours, STEPS)
     assert losses_ours == pytest.approx(losses_theirs, abs=1e-6)
     for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         assert torch.allclose(p.full_tensor(), q.full_tensor(), atol=1e-6), n
@@ -412,18 +388,18 @@ def _check_setters_and_prefetch():
     assert all(s.group.reduce_op == "sum" for s in model._fsdp_states(True))
     model.set_reduce_op("avg")
     # AUDIT 18: the first step records the order; later steps prefetch the next group's all-gather.
-    _train(model, 1)
+    sharded_run(model, 1)
     states = model._fsdp_state._order
     assert [s.modules[0] for s in states] == [model, *model.blocks]
     seen = []
     for b in model.blocks:
         b.register_forward_pre_hook(lambda m, a: seen.append(m._fsdp_state.group.state.value), prepend=True)
-    _train(model, 1)
+    sharded_run(model, 1)
     assert seen == ["unsharding", "unsharding", "unsharding"]  # issued ahead, waited on use (AUDIT 10)
     # Manual prefetch overrides the recorded order.
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[2]])
     seen.clear()
-    _train(model, 1)
+    sharded_run(model, 1)
     assert seen == ["unsharding", "sharded", "unsharding"]
     return True
 
@@ -439,8 +415,8 @@ def _check_two_models_independent():
     mesh = _mesh((2,))
     wa, wb = _wrap(copy.deepcopy(a), mesh), _wrap(copy.deepcopy(b), mesh)
     wb.set_reduce_op("sum")  # must not leak into the other model
-    _train(wb, 1)
-    _assert_matches(wa, ref_a, _train(wa, STEPS), losses_a)
+    sharded_run(wb, 1)
+    _assert_matches(wa, ref_a, sharded_run(wa, STEPS), losses_a)
     return True
 
 
