@@ -89,13 +89,15 @@ def _classify(func) -> str:
 # In-place ops that change a tensor's shape or strides: the wrapper's metadata is fixed at creation.
 _METADATA_INPLACE = {
     "unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_", "resize_",
-    "resize_as_", "set_", "detach_",
+    "resize_as_", "set_",
 }  # fmt: skip
 
 
 def dispatch(func, args: tuple, kwargs: dict):
     if _is_mutable(func) and args and isinstance(args[0], DTensor):
-        _check_inplace_target(func, args[0])
+        self = args[0]
+        if self._copy_of is not None or _changes_metadata(func):
+            raise _refused_inplace(func, self)
     kind = _classify(func)
     if kind == "pointwise":
         return _pointwise(func, args, kwargs)
@@ -131,24 +133,26 @@ def dispatch(func, args: tuple, kwargs: dict):
     raise _unsupported(func, dts, "this operator has no sharding rule yet")
 
 
-def _check_inplace_target(func, self: DTensor) -> None:
-    """Refuse in-place writes that torch would apply but we could not: into a "view" that had to
-    be computed from redistributed data (the write would miss the original's shards), and
-    in-place ops that change the wrapper's shape."""
-    name = func.overloadpacket.__name__
-    if name in _METADATA_INPLACE and name != "detach_":
-        raise _unsupported(
+@functools.lru_cache(maxsize=512)
+def _changes_metadata(func) -> bool:
+    return func.overloadpacket.__name__ in _METADATA_INPLACE
+
+
+def _refused_inplace(func, self: DTensor) -> NotImplementedError:
+    """In-place ops torch would apply but we could not: writes into a "view" computed from
+    redistributed data (they would miss the original's shards), and ops changing the shape."""
+    if self._copy_of is None:
+        name = func.overloadpacket.__name__
+        return _unsupported(
             func, [self], f"in-place {name} would change the DTensor's shape or strides; use the out-of-place op"
         )
-    origin = self._copy_of
-    if origin is not None:
-        raise _unsupported(
-            func,
-            [self],
-            f"in-place write into the result of {origin}, which is not a view of its input: that input had "
-            "to be redistributed first, so the write would not reach it; redistribute the input to the "
-            "placements the view needs (or write out of place)",
-        )
+    return _unsupported(
+        func,
+        [self],
+        f"in-place write into the result of {self._copy_of}, which is not a view of its input: that input had "
+        "to be redistributed first, so the write would not reach it; redistribute the input to the "
+        "placements the view needs (or write out of place)",
+    )
 
 
 def _dtensors_in(args: tuple, kwargs: dict) -> list:

@@ -112,24 +112,35 @@ def test_foreach_ops_keep_each_tensor_layout_as_torch(ranks):
 
 
 def _check_view_writes():
-    mesh = ours.init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    (_, mesh), (t, t_mesh) = _both(world)
     R, S = ours.Replicate(), ours.Shard
+    # A local view aliases the shards: the write reaches x, as in torch.
     x = ours.distribute_tensor(torch.arange(8.0), mesh, [S(0)])
-    x.view(-1).mul_(2)  # a local view: the write reaches the shards (as torch)
-    assert x.full_tensor().tolist() == [2.0 * i for i in range(8)]
+    tx = t.distribute_tensor(torch.arange(8.0), t_mesh, [t.Shard(0)])
+    x.view(-1).mul_(2)
+    tx.view(-1).mul_(2)
+    assert x.full_tensor().tolist() == tx.full_tensor().tolist() == [2.0 * i for i in range(8)]
     y = ours.distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [S(1)])
     with pytest.raises(NotImplementedError, match="not a view of its input"):
         y.view(-1).mul_(2)  # S(1) must be gathered for view(-1): the write would be lost
     assert y.full_tensor().tolist() == torch.arange(8.0).reshape(2, 4).tolist()
     z = ours.distribute_tensor(torch.arange(8.0), mesh, [S(0)])
+    tz = t.distribute_tensor(torch.arange(8.0), t_mesh, [t.Shard(0)])
+    tz[1] = 7  # torch's DTensor silently drops this write ...
+    assert tz.full_tensor().tolist() == torch.arange(8.0).tolist()
     with pytest.raises(NotImplementedError, match="not a view of its input"):
-        z[1] = 7  # torch's DTensor silently drops this write
+        z[1] = 7  # ... ours refuses it
+    # In-place shape changes raise in both.
     r = ours.distribute_tensor(torch.arange(4.0), mesh, [R])
-    with pytest.raises(NotImplementedError, match="unsqueeze_"):
-        r.unsqueeze_(0)
+    tr = t.distribute_tensor(torch.arange(4.0), t_mesh, [t.Replicate()])
+    for tensor in (r, tr):
+        with pytest.raises(NotImplementedError, match="unsqueeze_"):
+            tensor.unsqueeze_(0)
     assert r.shape == (4,) and r.to_local().shape == (4,)
     r[1] = 7  # replicated: the write is local and exact
-    assert r.full_tensor().tolist() == [0.0, 7.0, 2.0, 3.0]
+    tr[1] = 7
+    assert r.full_tensor().tolist() == tr.full_tensor().tolist() == [0.0, 7.0, 2.0, 3.0]
     return True
 
 
