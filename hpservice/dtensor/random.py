@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._api import DTensor
-
 __all__ = ["BLOCK", "OffsetBasedRNGTracker", "get_rng_state", "manual_seed", "set_rng_state"]
 
 BLOCK = 1 << 16
@@ -48,10 +46,9 @@ class OffsetBasedRNGTracker:
         self.seed = seed
         self.offset = 0
 
-    def _ensure_seed(self, dt: DTensor) -> None:
+    def ensure_seed(self, mesh) -> None:
         if self.seed is not None:
             return
-        mesh = dt.device_mesh
         if mesh.size() != dist.get_world_size():
             raise RuntimeError(
                 "hpservice.dtensor.random: no seed set and the mesh does not span the world; "
@@ -124,29 +121,3 @@ def get_rng_state() -> tuple[int | None, int]:
 
 def set_rng_state(state: tuple[int | None, int]) -> None:
     _default_tracker.seed, _default_tracker.offset = state
-
-
-def random_op(func, args: tuple, kwargs: dict):
-    """Run an in-place random op (or native_dropout) on a DTensor through the tracker."""
-    self = args[0]
-    if self._spec.has_partial():
-        from ._dispatch import _unsupported
-
-        raise _unsupported(func, [self], "random values on a Partial DTensor are not defined")
-    if kwargs.get("generator") is not None:
-        raise NotImplementedError("hpservice.dtensor.random: an explicit generator is not supported for DTensors")
-    kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
-    _default_tracker._ensure_seed(self)
-    local = self._wait_local()
-    if func is torch.ops.aten.native_dropout.default:
-        p, train = args[1], args[2]
-        if not train or p == 0:
-            return self, DTensor(torch.ones_like(local, dtype=torch.bool), self._spec)
-        keep = torch.empty_like(local)
-        _default_tracker.fill(keep, self._spec, lambda buf, gen: buf.bernoulli_(1 - p, generator=gen))
-        mask = keep.bool()
-        out = local * mask / (1 - p) if p < 1 else torch.zeros_like(local)
-        return DTensor(out, self._spec), DTensor(mask, self._spec)
-    rest = args[1:]
-    _default_tracker.fill(local, self._spec, lambda buf, gen: func(buf, *rest, generator=gen, **kwargs))
-    return self

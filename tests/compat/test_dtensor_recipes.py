@@ -34,6 +34,116 @@ def _names(placements):
     return tuple(type(p).__name__ + (f"({p.dim})" if hasattr(p, "dim") else "") for p in placements)
 
 
+# ---- reductions, scans, sorting and indexing: values, layouts and gradients -------------------------
+
+
+def _check_scan_sort_index_ops():
+    world = dist.get_world_size()
+    full = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))  # 5 rows: uneven over 2 ranks
+    index = torch.tensor([4, 0, 2])
+    source = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    ops = {
+        "var(1)": lambda x, i, s: x.var(1),
+        "std(0, correction=0)": lambda x, i, s: x.std(0, correction=0),
+        "var()": lambda x, i, s: x.var(),
+        "cumsum(0)": lambda x, i, s: x.cumsum(0),
+        "cumsum(1)": lambda x, i, s: x.cumsum(1),
+        "sort(1).values": lambda x, i, s: x.sort(1)[0],
+        "sort(0).indices": lambda x, i, s: x.sort(0)[1],
+        "topk(2, 1).values": lambda x, i, s: x.topk(2, 1)[0],
+        "index_select(1)": lambda x, i, s: x.index_select(1, i),
+        "index_add(1)": lambda x, i, s: x.index_add(1, i, s),
+    }
+    results = []
+    for api, mesh in _both(world):
+        out = {}
+        for placement in (api.Shard(0), api.Shard(1), api.Replicate()):
+            for name, op in ops.items():
+                x = api.distribute_tensor(full, mesh, [placement]).requires_grad_()
+                i = api.distribute_tensor(index, mesh, [api.Replicate()])
+                s = api.distribute_tensor(source, mesh, [placement if placement == api.Shard(0) else api.Replicate()])
+                y = op(x, i, s)
+                key = (_names([placement]), name)
+                out[key] = (_names(y.placements), y.full_tensor())
+                if y.dtype.is_floating_point:
+                    (y * y).sum().backward()
+                    out[key + ("grad",)] = (_names(x.grad.placements), x.grad.full_tensor())
+        results.append(out)
+    mine, theirs = results
+    assert mine.keys() == theirs.keys()
+    for key, (placements, value) in theirs.items():
+        if placements == ("Partial",) and key[-1] == "grad":
+            # torch leaves a pending sum in the gradient (var over the sharded dim); ours reduces it.
+            assert mine[key][0] == key[0], (key, mine[key][0], placements)
+        else:
+            assert mine[key][0] == placements, (key, mine[key][0], placements)
+        torch.testing.assert_close(mine[key][1], value, rtol=1e-6, atol=1e-6, msg=str(key))
+    # And the single-device values (torch's DTensor is the reference for layouts only).
+    y = full.clone().requires_grad_()
+    (y.var(1) ** 2).sum().backward()
+    torch.testing.assert_close(mine[(("Shard(0)",), "var(1)", "grad")][1], y.grad)
+    torch.testing.assert_close(mine[(("Shard(1)",), "index_add(1)")][1], full.index_add(1, index, source))
+    return True
+
+
+def test_var_cumsum_sort_topk_index_ops_match_torch(ranks):
+    ranks(2).run(_check_scan_sort_index_ops)
+
+
+def _check_random_like_and_seeding():
+    """rand_like / randn_like / randint_like and in-place samplers: the global tensor does not depend
+    on the placements and replicas agree. Seeding: with torch.manual_seed(s) on every rank before
+    the first DTensor random op (the tracker takes rank 0's torch seed then), a rerun from the same
+    start reproduces the values; hpservice.dtensor.random.manual_seed reseeds at any time."""
+    from hpservice.dtensor import random as dtensor_random
+
+    world = dist.get_world_size()
+    mesh = ours.init_device_mesh("cpu", (world,))
+    base = torch.zeros(5, 4)
+
+    def draw():
+        out = {}
+        for placement in (ours.Shard(0), ours.Shard(1), ours.Replicate()):
+            dtensor_random.set_rng_state(state)
+            x = ours.distribute_tensor(base, mesh, [placement])
+            out[placement] = [
+                torch.rand_like(x).full_tensor(),
+                torch.randn_like(x).full_tensor(),
+                torch.randint_like(x, 10).full_tensor(),
+                x.clone().uniform_(-1, 1).full_tensor(),
+            ]
+        return out
+
+    dtensor_random.set_rng_state((None, 0))  # a fresh process: no DTensor random op yet
+    torch.manual_seed(1234 + dist.get_rank())  # ranks disagree: rank 0's seed is taken
+    first = ours.distribute_tensor(base, mesh, [ours.Shard(0)]).uniform_().full_tensor()
+    state = dtensor_random.get_rng_state()
+    runs = draw()
+    for placement, values in runs.items():
+        for a, b in zip(values, runs[ours.Replicate()], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=str(placement))
+    assert runs[ours.Replicate()][2].min() >= 0 and runs[ours.Replicate()][2].max() < 10
+    gathered = [torch.empty_like(first) for _ in range(world)]
+    dist.all_gather(gathered, first)
+    assert all(torch.equal(g, first) for g in gathered)  # every rank holds the same global tensor
+
+    dtensor_random.set_rng_state((None, 0))  # the same start again reproduces the same values
+    torch.manual_seed(1234 + dist.get_rank())
+    again = ours.distribute_tensor(base, mesh, [ours.Replicate()]).uniform_().full_tensor()
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+    dtensor_random.manual_seed(7)
+    a = ours.distribute_tensor(base, mesh, [ours.Shard(1)]).normal_().full_tensor()
+    dtensor_random.manual_seed(7)
+    b = ours.distribute_tensor(base, mesh, [ours.Shard(0)]).normal_().full_tensor()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return True
+
+
+def test_random_like_factories_and_torch_seeding(ranks):
+    ranks(2).run(_check_random_like_and_seeding)
+
+
 # ---- layouts of pointwise ops and of gradients ------------------------------------------------------
 
 

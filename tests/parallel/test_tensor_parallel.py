@@ -127,10 +127,10 @@ def test_reduction_and_broadcast_rules(ranks, world):
 def _check_errors_and_no_mutation():
     mesh = init_device_mesh("cpu", (2,))
     a = distribute_tensor(_randn(4, 5, seed=1), mesh, [Shard(0)])
-    with pytest.raises(NotImplementedError, match=r"aten.cumsum.default on DTensor placements \[\(S\(0\)\)\]"):
-        torch.cumsum(a, 0)
-    with pytest.raises(NotImplementedError, match=r"aten.sort.default on DTensor placements \[\(S\(0\)\)\]"):
-        torch.sort(a)
+    with pytest.raises(NotImplementedError, match=r"aten.kthvalue.default on DTensor placements \[\(S\(0\)\)\]"):
+        torch.kthvalue(a, 2, 0)
+    with pytest.raises(NotImplementedError, match=r"aten.roll.default on DTensor placements \[\(S\(0\)\)\]"):
+        torch.roll(a, 1, 0)
     # Same shape, different shard placements: b is redistributed to a's layout (a new DTensor).
     b = distribute_tensor(_randn(4, 5, seed=2), mesh, [Shard(1)])
     ab = a + b

@@ -1,15 +1,21 @@
-"""Sharding rules for DTensor operators (tensor parallelism).
+"""Sharding rules for DTensor operators, one file per op family (as torch's ``_ops``).
 
-A rule maps the input specs of one op call to the placements the inputs must have and the spec of
-the output; ``_dispatch`` redistributes inputs that differ, runs the op on the local tensors and
-wraps the result. Rules are pure functions of (op, specs, non-tensor arguments), so decisions are
-cached (``decide``).
+A rule maps the input specs of one op call to the specs the inputs must have and the spec(s)
+of the output; ``_dispatch`` redistributes inputs that differ, runs the op on the local tensors
+and wraps the result. Rules are pure functions of (op, specs, non-tensor arguments), so
+decisions are cached (``decide``). The registry and the propagation are in ``_registry``.
 """
 
-from . import (
-    _attention_rules,  # noqa: F401  (registers scaled-dot-product attention rules)
-    _nn_rules,  # noqa: F401  (registers embedding / norm / softmax rules)
+from . import (  # noqa: F401  (each module registers its family's rules)
+    _attention_ops,
+    _embedding_ops,
+    _math_ops,
+    _matrix_ops,
+    _pointwise_ops,
+    _random_ops,
+    _tensor_ops,
+    _view_ops,
 )
-from ._rules import RULES, Decision, decide, pointwise_decision
+from ._registry import RULES, Decision, LocalShaped, PlainTensor, RuleError, decide, rule_for, written_args
 
-__all__ = ["RULES", "Decision", "decide", "pointwise_decision"]
+__all__ = ["RULES", "Decision", "LocalShaped", "PlainTensor", "RuleError", "decide", "rule_for", "written_args"]

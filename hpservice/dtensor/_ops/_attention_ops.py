@@ -53,7 +53,7 @@ import torch
 from .._layout import DTensorSpec
 from .._redistribute import execute_plan, plan_redistribution
 from ..placement_types import Partial, Placement, Shard
-from ._rules import _R, Decision, RuleError, _spec, register
+from ._registry import _R, Decision, RuleError, _spec, register
 
 aten = torch.ops.aten
 

@@ -1,0 +1,214 @@
+"""The sharding-rule registry and propagation: ``rule(func, args, kwargs) -> Decision`` per aten op.
+
+Every operator a DTensor runs goes through one path (``_dispatch.dispatch``): the rule of its op
+(from ``RULES``, or from the family that claims it: pointwise, foreach, random) decides, per mesh
+dim, the spec each DTensor operand must have and the output spec(s); the dispatcher redistributes
+the operands that differ (into new DTensors, never in place), runs the op on the local tensors and
+wraps the result. An op without a rule runs only when every operand is fully replicated (then the
+local result is the global one); otherwise it raises naming the op and the placements.
+
+``args``/``kwargs`` reach a rule frozen (hashable): every DTensor is replaced by its
+``DTensorSpec``, lists by tuples, plain tensors by ``PlainTensor(shape, dtype)``. For families
+registered ``scalar_free`` (pointwise, foreach) Python numbers are replaced by ``None`` too, so an
+optimizer's changing step size does not make every call a cache miss. Rules reason about
+placements and global shapes only; local shapes always come from the specs (uneven
+``torch.chunk`` shards stay exact). Decisions are cached (``decide``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .._layout import DTensorSpec
+from ..placement_types import Placement, Replicate
+
+aten = torch.ops.aten
+
+_R = Replicate()
+_LINEAR_PARTIAL = ("sum", "avg")
+
+
+class RuleError(Exception):
+    """The rule cannot handle these operands; the dispatcher turns it into NotImplementedError."""
+
+
+class LocalShaped(NamedTuple):
+    """Output marker of an op on fully replicated operands: the local result is the global
+    tensor, so its spec (shape and strides) is read off the local result."""
+
+    mesh: object
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainTensor:
+    """A frozen plain-tensor argument (a 0-d scalar, an optimizer's step); not a tuple, so rules
+    never take it for a tensor list."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Decision(NamedTuple):
+    targets: tuple[DTensorSpec, ...]  # one per DTensor operand, in flattened positional order
+    out: DTensorSpec | LocalShaped | tuple | None  # a tuple for ops with several outputs
+    local_shape_arg: int | None = None  # positional arg replaced by ``out.local_shape`` (view/expand)
+    local_fn: Callable | None = None  # replaces ``func`` on the local tensors
+
+
+RULES: dict = {}
+_FAMILIES: list[tuple[Callable, Callable, bool]] = []  # (claims(func), rule, scalar_free)
+_SCALAR_FREE: set = set()
+
+
+def register(*ops, scalar_free: bool = False):
+    """Register ``rule`` for these op overloads."""
+
+    def deco(fn):
+        for op in ops:
+            RULES[op] = fn
+            if scalar_free:
+                _SCALAR_FREE.add(op)
+        return fn
+
+    return deco
+
+
+def register_family(claims: Callable, *, scalar_free: bool = False):
+    """Register ``rule`` for every op ``claims(func)`` accepts (pointwise ops are tagged by torch,
+    hundreds of them: claiming beats listing). Explicit ``register`` entries take precedence.
+    A rule with ``per_element = True`` (foreach) checks meshes per list element itself."""
+
+    def deco(fn):
+        _FAMILIES.append((claims, fn, scalar_free))
+        return fn
+
+    return deco
+
+
+@functools.lru_cache(maxsize=4096)
+def rule_for(func) -> tuple[Callable | None, bool]:
+    """(rule, scalar_free) of ``func``; (None, False) when no rule is registered."""
+    if func in RULES:
+        return RULES[func], func in _SCALAR_FREE
+    for claims, rule, scalar_free in _FAMILIES:
+        if claims(func):
+            return rule, scalar_free
+    return None, False
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(func, args: tuple, kwargs: tuple, mesh_ids: tuple = ()) -> Decision:
+    """Cached rule decision; ``args``/``kwargs`` frozen (specs instead of DTensors). Meshes of
+    equal layout compare equal (AUDIT 3) but may belong to different roots: ``mesh_ids`` (the
+    operands' mesh objects, kept alive by the cached specs) keeps a cached decision from handing
+    one call's mesh to another's output."""
+    if any(isinstance(v, DTensorSpec) for _, v in kwargs):
+        raise RuleError("DTensor keyword arguments are not supported")
+    specs = flat_specs(args)
+    if not specs:
+        raise RuleError("no DTensor among the positional arguments")
+    mesh = specs[0].mesh
+    rule, _ = rule_for(func)
+    if not getattr(rule, "per_element", False) and any(s.mesh != mesh for s in specs):
+        raise RuleError("all DTensor operands must share one mesh")
+    if rule is None:
+        if all(s.is_replicated() for s in specs):
+            return Decision(tuple(specs), LocalShaped(mesh))
+        raise RuleError("this operator has no sharding rule yet")
+    decision = rule(func, args, dict(kwargs))
+    if func.is_view:
+        decision = _with_view_strides(func, args, kwargs, decision)
+    return decision
+
+
+def _with_view_strides(func, args: tuple, kwargs: tuple, decision: Decision) -> Decision:
+    """A view's global strides are torch's for the same view of the global tensor (``x.t()`` has
+    stride (1, n), so ``x.t().reshape(-1)`` copies as in torch): run the op on meta tensors."""
+
+    def meta(a):
+        if isinstance(a, DTensorSpec):
+            return torch.empty_strided(a.shape, a.stride, device="meta")
+        if isinstance(a, tuple):
+            return [meta(x) for x in a]
+        return a
+
+    try:
+        out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs})
+    except Exception:  # meta cannot run it: keep the rule's contiguous strides
+        return decision
+
+    def restride(spec, t):
+        if not isinstance(spec, DTensorSpec) or not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.shape:
+            return spec
+        stride = tuple(t.stride())
+        return spec if stride == spec.stride else DTensorSpec(spec.mesh, spec.placements, spec.shape, stride)
+
+    if isinstance(decision.out, tuple):
+        outs = tuple(restride(s, t) for s, t in zip(decision.out, out, strict=True))
+    else:
+        outs = restride(decision.out, out)
+    return decision._replace(out=outs)
+
+
+def flat_specs(args: tuple) -> list[DTensorSpec]:
+    """The DTensor operands in flattened positional order: a list argument (``cat``'s tensors)
+    contributes its elements in place. ``Decision.targets`` follows this order."""
+    out = []
+    for a in args:
+        if isinstance(a, DTensorSpec):
+            out.append(a)
+        elif isinstance(a, tuple):
+            out.extend(x for x in a if isinstance(x, DTensorSpec))
+    return out
+
+
+@functools.lru_cache(maxsize=2048)
+def written_args(func) -> frozenset[int]:
+    """Positions of the arguments ``func`` writes (``Tensor(a!)``): they may not be redistributed."""
+    return frozenset(
+        i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _spec(like: DTensorSpec, placements, shape) -> DTensorSpec:
+    placements = tuple(placements)
+    if placements == like.placements and tuple(shape) == like.shape:
+        return like
+    return DTensorSpec(like.mesh, placements, tuple(shape))
+
+
+def _replicated(spec: DTensorSpec) -> DTensorSpec:
+    return _spec(spec, [_R] * len(spec.placements), spec.shape)
+
+
+def _is_linear_partial(p: Placement) -> bool:
+    return p.is_partial() and p.reduce_op in _LINEAR_PARTIAL
+
+
+def _dim_arg(args, kwargs, pos: int, default):
+    return args[pos] if len(args) > pos else kwargs.get("dim", default)
+
+
+def _gather_dims(x: DTensorSpec, dims, partial_ok: bool = False) -> list[Placement]:
+    """Placements of ``x`` with every Shard of one of ``dims`` gathered (Replicate); Partials
+    are reduced unless ``partial_ok`` (ops linear in their input)."""
+    out = []
+    for p in x.placements:
+        if (p.is_shard() and p.dim in dims) or (p.is_partial() and not (partial_ok and _is_linear_partial(p))):
+            out.append(_R)
+        else:
+            out.append(p)
+    return out
+
+
+def _reduce_dims(x: DTensorSpec, dims) -> tuple[int, ...]:
+    if dims is None or (isinstance(dims, tuple) and len(dims) == 0):
+        return tuple(range(x.ndim))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted({d % max(x.ndim, 1) for d in dims}))

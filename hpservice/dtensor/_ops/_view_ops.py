@@ -1,0 +1,134 @@
+"""Sharding rules of view ops: transpose/permute, view/reshape, (un)squeeze, expand, alias.
+
+A view keeps a Shard when the sharded dim survives whole (renumbered); a dim that is split,
+merged with its neighbours in a way that breaks the shard, squeezed away or expanded is gathered
+first (correct, slower). Global strides are torch's for the same view (``_registry``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..placement_types import Shard
+from ._registry import _R, Decision, RuleError, _reduce_dims, _spec, register
+
+aten = torch.ops.aten
+
+
+@register(aten.alias.default, aten.detach.default)
+def _alias_rule(func, args, kwargs) -> Decision:
+    return Decision((args[0],), args[0])
+
+
+@register(aten.t.default, aten.transpose.int, aten.permute.default)
+def _permute_rule(func, args, kwargs) -> Decision:
+    x = args[0]
+    n = x.ndim
+    if func is aten.permute.default:
+        perm = [d % n for d in args[1]] if n else []
+    else:
+        d0, d1 = (0, 1) if func is aten.t.default else (args[1] % max(n, 1), args[2] % max(n, 1))
+        perm = list(range(n))
+        if n >= 2 or func is not aten.t.default:
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+    inverse = {d: i for i, d in enumerate(perm)}
+    out = [Shard(inverse[p.dim]) if p.is_shard() else p for p in x.placements]
+    return Decision((x,), _spec(x, out, [x.shape[d] for d in perm]))
+
+
+def _resolve_size(shape: tuple[int, ...], size) -> tuple[int, ...]:
+    size = list(size)
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = math.prod(shape) // known if known else 0
+    return tuple(size)
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view_rule(func, args, kwargs) -> Decision:
+    """A sharded dim stays sharded when it maps one-to-one onto an output dim of the same size at
+    the same position in the flattened layout ([B,S,H] S(2) <-> [B*S,H] S(1)); other sharded dims
+    are gathered first (correct, slower)."""
+    x = args[0]
+    out_shape = _resolve_size(x.shape, args[1])
+    if math.prod(out_shape) != math.prod(x.shape):
+        raise RuleError(f"shape {list(args[1])} is invalid for a tensor of shape {list(x.shape)}")
+    target, out = [], []
+    for p in x.placements:
+        if p.is_shard():
+            e = _view_map(x.shape, out_shape, p.dim)
+            if e is None:
+                target.append(_R)
+                out.append(_R)
+            else:
+                target.append(p)
+                out.append(Shard(e))
+        else:
+            target.append(p)
+            out.append(p)
+    return Decision((_spec(x, target, x.shape),), _spec(x, out, out_shape), local_shape_arg=1, local_fn=_local_view)
+
+
+def _view_map(shape, out_shape, d: int) -> int | None:
+    before = math.prod(shape[:d])
+    for e, size in enumerate(out_shape):
+        if size == shape[d] and math.prod(out_shape[:e]) == before:
+            return e
+    return None
+
+
+def _local_view(func, args, kwargs):
+    # Specs record contiguous strides while a local tensor may be a transposed view: reshape then.
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError:
+        if func is aten.reshape.default:
+            raise
+        return aten._unsafe_view.default(args[0].contiguous(), args[1])
+
+
+@register(aten.unsqueeze.default)
+def _unsqueeze_rule(func, args, kwargs) -> Decision:
+    x = args[0]
+    dim = args[1] % (x.ndim + 1)
+    out = [Shard(p.dim + (p.dim >= dim)) if p.is_shard() else p for p in x.placements]
+    return Decision((x,), _spec(x, out, (*x.shape[:dim], 1, *x.shape[dim:])))
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze_rule(func, args, kwargs) -> Decision:
+    x = args[0]
+    if func is aten.squeeze.default:
+        dims = tuple(range(x.ndim))
+    else:
+        dims = _reduce_dims(x, args[1]) if x.ndim else ()
+    gone = {d for d in dims if x.shape[d] == 1}
+    target, out = [], []
+    for p in x.placements:
+        if p.is_shard() and p.dim in gone:  # a size-1 dim held by one rank: gather it first
+            target.append(_R)
+            out.append(_R)
+        else:
+            target.append(p)
+            out.append(Shard(p.dim - sum(d < p.dim for d in gone)) if p.is_shard() else p)
+    shape = tuple(s for d, s in enumerate(x.shape) if d not in gone)
+    return Decision((_spec(x, target, x.shape),), _spec(x, out, shape))
+
+
+@register(aten.expand.default)
+def _expand_rule(func, args, kwargs) -> Decision:
+    x = args[0]
+    size = list(args[1])
+    lead = len(size) - x.ndim
+    out_shape = tuple(x.shape[i - lead] if s == -1 else s for i, s in enumerate(size))
+    target, out = [], []
+    for p in x.placements:
+        if p.is_shard() and x.shape[p.dim] != out_shape[p.dim + lead]:
+            target.append(_R)
+            out.append(_R)
+        else:
+            target.append(p)
+            out.append(Shard(p.dim + lead) if p.is_shard() else p)
+    return Decision((_spec(x, target, x.shape),), _spec(x, out, out_shape), local_shape_arg=1)
