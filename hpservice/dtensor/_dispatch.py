@@ -21,6 +21,8 @@ as torch's custom handlers are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -38,22 +40,44 @@ _METADATA_INPLACE = {
 }  # fmt: skip
 
 
-def dispatch(func, args: tuple, kwargs: dict):
-    handler = _CUSTOM_HANDLERS.get(func)
-    if handler is not None:
-        return handler(func, args, kwargs)
-    mutable = _is_mutable(func)
-    if mutable and args and isinstance(args[0], DTensor):
-        self = args[0]
-        if self._copy_of is not None or _changes_metadata(func):
-            raise _refused_inplace(func, self)
+class _OpInfo(NamedTuple):
+    """What dispatch needs to know about an op overload, looked up once."""
+
+    handler: Callable | None  # answered without a rule (``_CUSTOM_HANDLERS``)
+    scalar_free: bool  # its rule ignores Python numbers (left out of the cache key)
+    per_element: bool  # foreach: list elements are checked per element by the rule
+    mutable: bool
+    changes_metadata: bool  # in-place shape/stride change (``unsqueeze_``)
+    written: frozenset[int]  # argument positions it writes
+    is_view: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_info(func) -> _OpInfo:
     rule, scalar_free = rule_for(func)
-    per_element = getattr(rule, "per_element", False)  # foreach: lists may mix DTensors and tensors
-    if not per_element:
+    return _OpInfo(
+        handler=_CUSTOM_HANDLERS.get(func),
+        scalar_free=scalar_free,
+        per_element=getattr(rule, "per_element", False),
+        mutable=func._schema.is_mutable,
+        changes_metadata=func.overloadpacket.__name__ in _METADATA_INPLACE,
+        written=written_args(func),
+        is_view=func.is_view,
+    )
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    info = _op_info(func)
+    if info.handler is not None:
+        return info.handler(func, args, kwargs)
+    self = args[0] if args and isinstance(args[0], DTensor) else None
+    if info.mutable and self is not None and (self._copy_of is not None or info.changes_metadata):
+        raise _refused_inplace(func, self)
+    if not info.per_element and any(isinstance(a, list | tuple) for a in args):
         args = tuple(_list_operands(func, a) if isinstance(a, list | tuple) else a for a in args)
-    dts = _dtensors_in(args)
-    decision = _propagate(func, args, kwargs, dts, scalar_free)
-    local_args, moved = _local_operands(func, args, decision, dts, per_element)
+    frozen_args, dts = _freeze_args(args, info.scalar_free)
+    decision = _propagate(func, frozen_args, kwargs, dts, info.scalar_free)
+    local_args, moved = _local_operands(func, args, decision, dts, info)
     for v in kwargs.values():
         if isinstance(v, torch.Tensor) and v.ndim > 0:
             raise _mixed(func, dts, v)
@@ -63,10 +87,10 @@ def dispatch(func, args: tuple, kwargs: dict):
         out = decision.local_fn(func, tuple(local_args), kwargs)
     else:
         out = func(*local_args, **kwargs)
-    if mutable and args and isinstance(args[0], DTensor):
-        return None if out is None else args[0]
+    if info.mutable and self is not None:
+        return None if out is None else self
     result = _wrap(out, decision.out)
-    if func.is_view and (moved or any(d._copy_of is not None for d in dts)):
+    if info.is_view and (moved or any(d._copy_of is not None for d in dts)):
         # torch's result would alias the input; ours was computed from a redistributed copy.
         for o in result if isinstance(result, tuple | list) else (result,):
             if isinstance(o, DTensor):
@@ -74,10 +98,30 @@ def dispatch(func, args: tuple, kwargs: dict):
     return result
 
 
-def _propagate(func, args: tuple, kwargs: dict, dts: list, scalar_free: bool):
+def _freeze_args(args: tuple, scalar_free: bool) -> tuple[tuple, list]:
+    """(the hashable stand-in of ``args``, the DTensor operands in flattened order), one pass."""
+    frozen, dts = [], []
+    for a in args:
+        if isinstance(a, DTensor):
+            frozen.append(a._spec)
+            dts.append(a)
+        elif isinstance(a, list | tuple):
+            items = []
+            for x in a:
+                if isinstance(x, DTensor):
+                    items.append(x._spec)
+                    dts.append(x)
+                else:
+                    items.append(_freeze(x, scalar_free))
+            frozen.append(tuple(items))
+        else:
+            frozen.append(_freeze(a, scalar_free))
+    return tuple(frozen), dts
+
+
+def _propagate(func, frozen_args: tuple, kwargs: dict, dts: list, scalar_free: bool):
     """The rule's decision for these operand specs (cached on the frozen arguments)."""
-    frozen_args = tuple(_freeze(a, scalar_free) for a in args)
-    frozen_kwargs = tuple(sorted((k, _freeze(v, scalar_free)) for k, v in kwargs.items()))
+    frozen_kwargs = tuple(sorted((k, _freeze(v, scalar_free)) for k, v in kwargs.items())) if kwargs else ()
     mesh_ids = tuple(id(d._spec.mesh) for d in dts)
     try:
         try:
@@ -88,39 +132,55 @@ def _propagate(func, args: tuple, kwargs: dict, dts: list, scalar_free: bool):
         raise _unsupported(func, dts, str(e)) from None
 
 
-def _local_operands(func, args: tuple, decision, dts, per_element: bool) -> tuple[list, bool]:
+def _local_operands(func, args: tuple, decision, dts, info: _OpInfo) -> tuple[list, bool]:
     """The local tensors to run on: each DTensor moved to its target spec first. Plain tensors
     in lists of a per-element (foreach) op were checked element by element by its rule."""
-    targets = iter(decision.targets)
-    written = written_args(func)
+    targets = decision.targets
+    k = 0
     moved = False
-
-    def local(a, position, in_list=False):
-        nonlocal moved
+    local_args = []
+    for i, a in enumerate(args):
         if isinstance(a, DTensor):
-            target = next(targets)
+            target = targets[k]
+            k += 1
             src = a._spec
             if src is not target and (src.placements != target.placements or src.mesh != target.mesh):
-                if position in written:
-                    raise _unsupported(
-                        func,
-                        [a],
-                        f"argument {position} is written in place and would need a redistribution to "
-                        f"({', '.join(map(str, target.placements))}) first; redistribute it yourself (or use the "
-                        "out-of-place op)",
-                    )
-                a = _redistribute(a, target, False)
+                a = _move(func, a, target, i, info)
                 moved = True
-            return a._wait_local()
-        if isinstance(a, torch.Tensor) and a.ndim > 0 and not (in_list and per_element):
-            # RuntimeError, not TypeError: torch turns a TypeError in a binary operator into NotImplemented.
-            raise _mixed(func, dts, a)
-        return a
-
-    local_args = [
-        [local(x, i, True) for x in a] if isinstance(a, list | tuple) else local(a, i) for i, a in enumerate(args)
-    ]
+            local_args.append(a._wait_local())
+        elif isinstance(a, list | tuple):
+            items = []
+            for x in a:
+                if isinstance(x, DTensor):
+                    target = targets[k]
+                    k += 1
+                    src = x._spec
+                    if src is not target and (src.placements != target.placements or src.mesh != target.mesh):
+                        x = _move(func, x, target, i, info)
+                        moved = True
+                    items.append(x._wait_local())
+                else:
+                    if isinstance(x, torch.Tensor) and x.ndim > 0 and not info.per_element:
+                        raise _mixed(func, dts, x)
+                    items.append(x)
+            local_args.append(items)
+        else:
+            if isinstance(a, torch.Tensor) and a.ndim > 0:
+                # RuntimeError, not TypeError: torch turns a TypeError in a binary operator into NotImplemented.
+                raise _mixed(func, dts, a)
+            local_args.append(a)
     return local_args, moved
+
+
+def _move(func, a: DTensor, target: DTensorSpec, position: int, info: _OpInfo) -> DTensor:
+    if position in info.written:
+        raise _unsupported(
+            func,
+            [a],
+            f"argument {position} is written in place and would need a redistribution to "
+            f"({', '.join(map(str, target.placements))}) first; redistribute it yourself (or use the out-of-place op)",
+        )
+    return _redistribute(a, target, False)
 
 
 def _wrap(out, spec):
@@ -151,17 +211,6 @@ def _freeze(x, scalar_free: bool):
     if scalar_free and isinstance(x, int | float | complex):
         return None
     return x
-
-
-def _dtensors_in(args: tuple) -> list:
-    """The DTensor operands, in order (ATen arguments nest at most one list deep)."""
-    found = []
-    for a in args:
-        if isinstance(a, DTensor):
-            found.append(a)
-        elif isinstance(a, list | tuple):
-            found.extend(x for x in a if isinstance(x, DTensor))
-    return found
 
 
 def _list_operands(func, items):
@@ -239,13 +288,3 @@ def _refused_inplace(func, self: DTensor) -> NotImplementedError:
         "to be redistributed first, so the write would not reach it; redistribute the input to the "
         "placements the view needs (or write out of place)",
     )
-
-
-@functools.lru_cache(maxsize=512)
-def _changes_metadata(func) -> bool:
-    return func.overloadpacket.__name__ in _METADATA_INPLACE
-
-
-@functools.lru_cache(maxsize=2048)
-def _is_mutable(func) -> bool:
-    return func._schema.is_mutable
