@@ -91,14 +91,50 @@ def test_mesh_rank_order_is_not_sorted(ranks):
     ranks(4).run(_check_reversed_mesh)
 
 
+class _NoScan:
+    """Stands in for a mesh's rank list after construction: its length is known, any scan raises."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a lookup scanned the mesh ({name})")
+
+    def __iter__(self):
+        raise AssertionError("a lookup iterated over the mesh's ranks")
+
+    def __getitem__(self, item):
+        raise AssertionError("a lookup indexed the mesh's ranks")
+
+    def __contains__(self, item):
+        raise AssertionError("a lookup searched the mesh's ranks")
+
+
 def _check_audit_15():
-    mesh = init_device_mesh("cpu", (2, 4))
-    assert isinstance(mesh._rank_to_index, dict) and len(mesh._rank_to_index) == 8
-    assert mesh.get_coordinate() == [dist.get_rank() // 4, dist.get_rank() % 4]
+    from unittest import mock
+
+    from hpservice.dtensor._layout import DTensorSpec
+
+    # A simulated 1024-rank cluster (32 x 32), seen from rank 1000: no process groups are built.
+    with mock.patch.object(dist, "get_world_size", return_value=1024), mock.patch.object(dist, "get_rank", return_value=1000):
+        mesh = DeviceMesh("cpu", torch.arange(1024).reshape(32, 32), mesh_dim_names=("dp", "tp"), _dim_groups=[None, None])
+    mesh.mesh, mesh._ranks = _NoScan(1024), _NoScan(1024)  # from here on, every lookup must be O(1)
+    assert mesh.get_coordinate() == [31, 8]
+    assert mesh.get_local_rank("dp") == 31 and mesh.get_local_rank("tp") == 8
+    assert mesh.size() == 1024 and mesh.size("tp") == 32 and mesh.ndim == 2
+    spec = DTensorSpec(mesh, (Shard(0), Shard(1)), (1000, 999))
+    assert spec.local_shape == (8, 32) and spec.local_offset == (992, 256)  # torch.chunk pieces 31 and 8
+    assert isinstance(mesh._rank_to_index, dict) and len(mesh._rank_to_index) == 1024
+    # The real 8-rank mesh agrees with the world.
+    real = init_device_mesh("cpu", (2, 4))
+    assert real.get_coordinate() == [dist.get_rank() // 4, dist.get_rank() % 4]
     return True
 
 
-def test_audit_15_rank_lookup_is_a_precomputed_map(ranks):
+def test_audit_15_lookups_on_a_1024_rank_mesh_never_scan_it(ranks):
     ranks(8).run(_check_audit_15)
 
 

@@ -142,6 +142,22 @@ def _check_pointwise_and_foreach():
     r = distribute_tensor(a_full, mesh, [Replicate(), Replicate()])
     row = distribute_tensor(b_full[0], mesh, [Replicate(), Replicate()])
     assert torch.equal((r + row).full_tensor(), a_full + b_full[0])
+    # R * S: the sharded layout wins whatever the operand order, with no communication (the
+    # replicated operand is sliced locally), as torch's DTensor does; a replicated row broadcast
+    # against a sharded operand keeps the shards too. foreach over mixed layouts: element j keeps
+    # self[j]'s layout.
+    from hpservice.bench._harness import count_profiled
+
+    with count_profiled() as collectives:
+        rs, sr, bias = r * a, a * r, a + row
+        ys = [a.clone(), r.clone()]
+        torch._foreach_add_(ys, [r, a])  # a is redistributed to R for element 1: its one collective
+    for name, got, want in (("R*S", rs, a_full * a_full), ("S*R", sr, a_full * a_full), ("S+row", bias, a_full + b_full[0])):
+        assert got.placements == tuple(pl), (name, got.placements)
+        assert torch.equal(got.full_tensor(), want), name
+    assert ys[0].placements == tuple(pl) and ys[1].placements == (Replicate(), Replicate())
+    assert torch.equal(ys[0].full_tensor(), 2 * a_full) and torch.equal(ys[1].full_tensor(), 2 * a_full)
+    assert sum(collectives.values()) == 2, collectives  # the gather of a to R: one per sharded mesh dim
     return True
 
 

@@ -236,21 +236,79 @@ def test_async_redistribute_waits_on_first_use(ranks):
     ranks(4).run(_check_async)
 
 
+class _CopyCounter:
+    """Counts every copy of a layout object (DTensorSpec, DeviceMesh, placements), whatever the
+    import style (``copy.deepcopy``, ``from copy import deepcopy``, ``copy.copy``, pickling): all
+    of them go through the class's ``__deepcopy__`` / ``__reduce_ex__``."""
+
+    def __init__(self):
+        from hpservice.dtensor import DeviceMesh
+        from hpservice.dtensor._layout import DTensorSpec
+        from hpservice.dtensor.placement_types import Partial
+
+        self.classes = [DTensorSpec, DeviceMesh, Shard, Replicate, Partial]
+        self.count = 0
+        self.depth = 0
+        self.saved = []
+
+    def __enter__(self):
+        for cls in self.classes:
+            for name in ("__deepcopy__", "__reduce_ex__", "__copy__"):
+                original = cls.__dict__.get(name)
+                self.saved.append((cls, name, original))
+                inherited = getattr(cls, name, None)
+
+                def counting(obj, *args, _inherited=inherited, **kwargs):
+                    self.count += self.depth == 0  # one copy, however many hooks it passes through
+                    self.depth += 1
+                    try:
+                        if _inherited is None:  # no __copy__/__deepcopy__: copy falls back to __reduce_ex__
+                            return obj.__reduce_ex__(4)
+                        return _inherited(obj, *args, **kwargs)
+                    finally:
+                        self.depth -= 1
+
+                setattr(cls, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, original in reversed(self.saved):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+
+
 def _check_no_deepcopy():
+    from copy import deepcopy as imported_deepcopy
+
+    import torch.nn as nn
+
+    from hpservice.fsdp import fully_shard
+
     mesh = _mesh((2, 2))
     dt = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0), Replicate()])
-    real = copy.deepcopy
-
-    def forbidden(*a, **k):
-        raise AssertionError("deepcopy on the redistribute path")
-
-    copy.deepcopy = forbidden
-    try:
+    with _CopyCounter() as probe:  # the counter sees a copy made through any import style
+        imported_deepcopy(dt._spec)
+        copy.copy(mesh)
+    assert probe.count == 2, probe.count
+    flat = mesh._flatten("flat") if hasattr(mesh, "_flatten") else mesh
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=flat)
+    fully_shard(model, mesh=flat)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with _CopyCounter() as hot:  # the hot path: redistributions, ops, an FSDP training step
         a = dt.redistribute(mesh, [Replicate(), Shard(1)])
         b = dt.redistribute(mesh, [Replicate(), Shard(1)])
         c = a + b  # pointwise results share their operands' layout object
-    finally:
-        copy.deepcopy = real
+        (a @ b.t()).redistribute(mesh, [Replicate(), Replicate()])
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert hot.count == 0, f"{hot.count} copies of layout objects on the hot path"
     assert c._spec is a._spec
     return True
 

@@ -63,11 +63,13 @@ def reference_run(model: nn.Module, steps: int, world: int, lr: float = 0.01, dt
     return model, losses
 
 
-def sharded_run(model, steps, grad_accum=1, clip=None, dtype: torch.dtype = torch.float32):
+def sharded_run(model, steps, grad_accum=1, clip=None, dtype: torch.dtype = torch.float32, opt=None):
     """The same training as ``reference_run``, each rank on its slice of the global batch; returns
-    the global mean loss per step."""
+    the global mean loss per step. ``opt``: the optimizer to step (default a fresh AdamW as the
+    reference's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     losses = []
     for step in range(steps):
         x, y = batch(step, world)

@@ -205,9 +205,40 @@ def _check_offload_and_clip():
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
-    model = _wrap(copy.deepcopy(base), _mesh((2,)), offload_policy=CPUOffloadPolicy())
-    losses = sharded_run(model, STEPS, clip=0.05)  # the clipping norm is global, not per rank
+    mesh = _mesh((2,))
+    model = _wrap(copy.deepcopy(base), mesh, offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    losses = sharded_run(model, STEPS, clip=0.05, opt=opt)  # the clipping norm is global, not per rank
     _assert_matches(model, ref, losses, ref_losses)
+    # Where things live: sharded parameters, their gradients and the optimizer state on the host
+    # (pinned when the compute device is CUDA), each rank holding its shard only; the unsharded
+    # parameters a layer computes with on the mesh's device, whole.
+    compute = torch.device(mesh.device_type)
+    seen = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, _: seen.append((m.weight.device.type, tuple(m.weight.shape))))
+        for layer in model.modules()
+        if isinstance(layer, nn.Linear)
+    ]
+    x, _ = batch(0, world)
+    model(x).sum().backward()
+    for h in hooks:
+        h.remove()
+    assert seen and all(d == compute.type for d, _ in seen), seen
+    full_shapes = {tuple(q.shape) for q in ref.parameters() if q.ndim == 2}
+    assert all(shape in full_shapes for _, shape in seen), seen
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        assert local.device.type == "cpu", name
+        assert local.shape[0] == -(-p.shape[0] // world) or local.shape[0] < p.shape[0], name  # a shard
+        assert isinstance(p.grad, DTensor) and p.grad.to_local().device.type == "cpu", name
+        assert p.grad.to_local().shape == local.shape, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = opt.state[p][key]
+            assert isinstance(state, DTensor) and state.to_local().device.type == "cpu", (name, key)
+            assert state.to_local().shape == local.shape, (name, key)
+        if compute.type == "cuda":
+            assert local.is_pinned() and p.grad.to_local().is_pinned(), name
     return True
 
 
