@@ -171,7 +171,8 @@ class DTensor(torch.Tensor):
         if local_tensor.device.type != device_mesh.device_type and local_tensor.device.type != "meta":
             local_tensor = local_tensor.to(device_mesh.device_type)
         if shape is None:
-            shape = _global_shape(local_tensor.shape, device_mesh, placements)
+            sharded = any(p.is_shard() for p in placements)
+            shape = _global_shape(local_tensor.shape, device_mesh, placements) if sharded else local_tensor.shape
         elif run_check:
             expected = DTensorSpec(device_mesh, placements, tuple(shape)).local_shape
             if tuple(local_tensor.shape) != expected:
