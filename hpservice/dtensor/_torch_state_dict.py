@@ -5,7 +5,8 @@ values through ``torch.distributed._state_dict_utils``, which recognises torch's
 class only: ours would pass through as shards. As our DTensor registers itself for torch.optim's
 foreach lists, it registers here: the state-dict walker sends our DTensors to the same gather /
 offload function torch's get (they share ``redistribute`` / ``to_local``), and loading a full
-state dict slices each rank's piece for parameters and optimizer states that are our DTensors.
+state dict (``full_state_dict=True``, or rank 0's with ``broadcast_from_rank0=True``) slices each
+rank's piece for parameters and optimizer states that are our DTensors.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _install() -> None:
         return
     original_iterate = _sdu._iterate_state_dict
     original_distribute = _sdu._distribute_state_dict
+    original_broadcast = _sdu._broadcast_tensors
 
     @functools.wraps(original_iterate)
     def _iterate_state_dict(iter_object, sharded_tensor_func, dtensor_func, tensor_func, **kwargs):
@@ -48,8 +50,22 @@ def _install() -> None:
                     value.detach().to(device), local.device_mesh, local.placements, src_data_rank=None
                 )
 
+    @functools.wraps(original_broadcast)
+    def _broadcast_tensors(full_state_dict, local_state_dict, keys, device, pg=None):
+        # broadcast_from_rank0: torch's helper replaces a local value it does not recognise as
+        # its DTensor by the whole broadcast tensor; ours get their piece of it instead.
+        ours = {k: local_state_dict[k] for k in keys if isinstance(local_state_dict.get(k), DTensor)}
+        original_broadcast(full_state_dict, local_state_dict, keys, device, pg)
+        for key, local in ours.items():
+            value = local_state_dict.get(key)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                local_state_dict[key] = distribute_tensor(
+                    value.detach().to(device), local.device_mesh, local.placements, src_data_rank=None
+                )
+
     _sdu._iterate_state_dict = _iterate_state_dict
     _sdu._distribute_state_dict = _distribute_state_dict
+    _sdu._broadcast_tensors = _broadcast_tensors
     # torch.distributed.checkpoint.state_dict imported the name directly.
     import torch.distributed.checkpoint.state_dict as _state_dict
 

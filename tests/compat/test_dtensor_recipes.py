@@ -448,3 +448,60 @@ def _check_state_dict_helpers(world_opts):
 
 def test_torch_state_dict_helpers_full_and_round_trip(ranks):
     ranks(2).run(_check_state_dict_helpers, None)
+
+
+def _check_broadcast_from_rank0():
+    """torch's load recipe for a checkpoint only rank 0 read: set_model_state_dict /
+    set_optimizer_state_dict(broadcast_from_rank0=True) with rank 0's full state dicts (the other
+    ranks pass empty ones); every rank gets its shard of parameters and optimizer states, and
+    training continues as the source model's."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = ours.init_device_mesh("cpu", (world,))
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = _MLP()
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, opt = build(0)
+    x = torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(1))[rank * 4 : rank * 4 + 4]
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    on_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=on_rank0)
+    osd = copy.deepcopy(get_optimizer_state_dict(model, opt, options=on_rank0))
+    assert (msd == {}) == (rank != 0)
+
+    fresh, fresh_opt = build(5 + rank)  # different weights on every rank before the load
+    load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(fresh, msd, options=load)
+    set_optimizer_state_dict(fresh, fresh_opt, osd, options=load)
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert isinstance(p, ours.DTensor) and p.placements == q.placements
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, theirs = fresh_opt.state[p][key], opt.state[q][key]
+            assert isinstance(mine, ours.DTensor) and mine.placements == theirs.placements, key
+            torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor(), rtol=0, atol=0)
+        assert float(fresh_opt.state[p]["step"]) == float(opt.state[q]["step"])
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m(x).pow(2).mean().backward()
+        o.step()
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0)
+    return True
+
+
+def test_torch_state_dict_broadcast_from_rank0(ranks):
+    ranks(2).run(_check_broadcast_from_rank0)
