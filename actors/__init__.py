@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 
 import ray
 
@@ -95,8 +94,11 @@ class JobHandle:
 
 
 def start_job(spec, job_id: str | None = None) -> JobHandle:
-    """Start ``spec`` (a JobSpec) on the connected Ray cluster; returns at once."""
-    job_id = job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    """Start ``spec`` (a JobSpec) on the connected Ray cluster; returns at once. The job id is the
+    run id (``spec.run_id``, else ``job_id``, else a new one): restarts of the job share its
+    outputs, other jobs never do."""
+    spec = spec.with_run(job_id)
+    job_id = spec.run_id
     coordinator = Coordinator.options(name=coordinator_name(job_id), namespace=NAMESPACE, lifetime="detached").remote(
         job_id, spec.model_dump_json(by_alias=True)
     )

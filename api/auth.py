@@ -19,7 +19,7 @@ def current_principal(request: Request) -> Principal:
     if scheme.lower() != "bearer" or not token:
         # EventSource cannot send headers: the events route also takes ?token=.
         token = request.query_params.get("token", "") if request.url.path.endswith("/events") else ""
-    principal = settings.tokens.get(token.strip()) if token else None
+    principal = settings.principal_for(token.strip()) if token else None
     if principal is None:
         raise APIError(401, "missing or invalid bearer token")
     return principal

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from hpservice.spec import NAME_PATTERN
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,25 @@ class Settings:
     tokens: dict[str, Principal] = field(default_factory=dict)
     poll_interval_s: float = 0.5
     dashboard_url: str | None = None
+    # What job specs may name (api/policy.py): model factories besides the built-ins and the
+    # hpservice.models entry points, and the directories input files may come from.
+    model_factories: tuple[str, ...] = field(default_factory=lambda: _env_list("HPSERVICE_MODEL_FACTORIES", ","))
+    data_roots: tuple[Path, ...] = field(
+        default_factory=lambda: tuple(Path(p).expanduser() for p in _env_list("HPSERVICE_DATA_ROOTS", os.pathsep))
+    )
+    docs: bool = True  # serve /docs, /redoc and /openapi.json
+
+    def __post_init__(self):
+        self.tokens = dict(self.tokens)  # callers pass plain dicts; lookups go through principal_for
+
+    def principal_for(self, token: str) -> Principal | None:
+        """The principal of a presented token, compared in constant time."""
+        presented = hashlib.sha256(token.encode()).digest()
+        found = None
+        for known, principal in self.tokens.items():
+            if hmac.compare_digest(presented, hashlib.sha256(known.encode()).digest()):
+                found = principal
+        return found
 
     @property
     def db_url(self) -> str:
@@ -55,22 +79,51 @@ class Settings:
             )
 
 
+_TOKEN_KEYS = {"owner", "admin"}
+
+
 def load_tokens(tokens_file: str | None = None, env: str | None = None) -> dict[str, Principal]:
-    """Tokens from a YAML file ``{TOKEN: {owner: alice, admin: false}}`` and/or ``TOKEN=owner[:admin],...``."""
+    """Tokens from a YAML file ``{TOKEN: {owner: alice, admin: false}}`` and/or ``TOKEN=owner[:admin],...``.
+
+    Strict: ``admin`` is a YAML boolean (the string "false" is an error, not a truthy value),
+    unknown keys are errors, owners are safe names (they name directories). Every error names
+    the entry, never the token itself."""
     tokens: dict[str, Principal] = {}
     if tokens_file:
         data = yaml.safe_load(Path(tokens_file).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{tokens_file}: expected a mapping of token -> {{owner, admin}}")
-        for token, entry in data.items():
-            if not isinstance(entry, dict) or "owner" not in entry:
-                raise ValueError(f"{tokens_file}: token entries need an owner")
-            tokens[str(token)] = Principal(str(entry["owner"]), bool(entry.get("admin", False)))
+        for i, (token, entry) in enumerate(data.items(), start=1):
+            where = f"{tokens_file}: entry {i}"
+            if not isinstance(token, str):
+                raise ValueError(f"{where}: the token must be a string")
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: expected {{owner: NAME, admin: true|false}}")
+            unknown = set(entry) - _TOKEN_KEYS
+            if unknown:
+                raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))} (allowed: owner, admin)")
+            admin = entry.get("admin", False)
+            if not isinstance(admin, bool):
+                raise ValueError(f"{where}: admin must be true or false (a YAML boolean), got {admin!r}")
+            tokens[token] = Principal(_owner(entry.get("owner"), where), admin)
     env = env if env is not None else os.environ.get("HPSERVICE_TOKENS", "")
-    for item in filter(None, (part.strip() for part in env.split(","))):
+    for i, item in enumerate(filter(None, (part.strip() for part in env.split(","))), start=1):
         token, sep, who = item.partition("=")
+        where = f"HPSERVICE_TOKENS: entry {i}"
         if not sep or not token or not who:
-            raise ValueError(f"HPSERVICE_TOKENS: expected TOKEN=owner[:admin], got {item!r}")
+            raise ValueError(f"{where}: expected TOKEN=owner[:admin]")
         owner, _, flag = who.partition(":")
-        tokens[token] = Principal(owner, flag == "admin")
+        if flag not in ("", "admin"):
+            raise ValueError(f"{where}: the flag after the owner must be 'admin', got {flag!r}")
+        tokens[token] = Principal(_owner(owner, where), flag == "admin")
     return tokens
+
+
+def _owner(value, where: str) -> str:
+    if not isinstance(value, str) or not re.match(NAME_PATTERN, value):
+        raise ValueError(f"{where}: owner must be a name of letters, digits, '.', '_' or '-' (it names a directory)")
+    return value
+
+
+def _env_list(name: str, sep: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in os.environ.get(name, "").split(sep) if p.strip())

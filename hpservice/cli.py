@@ -70,6 +70,23 @@ def main(argv: list[str] | None = None) -> int:
         "--ray-address", default=None, help="Ray cluster (default RAY_ADDRESS, else an embedded local Ray)"
     )
     serve.add_argument("--tokens-file", default=None, help="YAML {TOKEN: {owner, admin}}; also HPSERVICE_TOKENS")
+    serve.add_argument(
+        "--allow-model",
+        action="append",
+        default=[],
+        metavar="MODULE:FACTORY",
+        help="a model factory job specs may name (repeatable; also HPSERVICE_MODEL_FACTORIES and the "
+        "hpservice.models entry points); others are refused",
+    )
+    serve.add_argument(
+        "--data-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory job specs may read input files from (repeatable; also HPSERVICE_DATA_ROOTS); "
+        "without one, jobs read no files",
+    )
+    serve.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
     _add_service_commands(sub)
     args = parser.parse_args(argv)
 
@@ -79,7 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from hpservice.serve import serve as run_server
 
-        return run_server(args.host, args.port, args.data_dir, args.ray_address, args.tokens_file)
+        return run_server(
+            args.host,
+            args.port,
+            args.data_dir,
+            args.ray_address,
+            args.tokens_file,
+            allow_models=args.allow_model,
+            data_roots=args.data_root,
+            docs=not args.no_docs,
+        )
     if args.command == "version":
         from hpservice import __version__
 

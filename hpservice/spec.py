@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["JobSpec", "SpecError", "apply_overrides", "load_job", "parse_job", "yaml_load"]
+__all__ = ["NAME_PATTERN", "JobSpec", "SpecError", "apply_overrides", "load_job", "new_run_id", "parse_job", "yaml_load"]
+
+
+_MAX_PATH = 4096  # characters in a path or URL field
 
 
 class _Loader(yaml.SafeLoader):
@@ -65,7 +69,7 @@ class DataSpec(_Section):
     kind: Literal["synthetic", "tokens", "text"] = Field(
         "synthetic", description="synthetic tokens, a .bin token file, or a text file"
     )
-    path: str | None = Field(None, description="file for kind 'tokens' or 'text'")
+    path: str | None = Field(None, max_length=_MAX_PATH, description="file for kind 'tokens' or 'text'")
     vocab_size: int | None = Field(None, gt=0, description="vocabulary size (synthetic data; defaults to the model's)")
     seq_len: int = Field(64, gt=1, description="tokens per sample")
     global_batch: int = Field(8, gt=0, description="samples per optimizer step, over all data-parallel ranks")
@@ -153,9 +157,14 @@ class ResourcesSpec(_Section):
 class CheckpointSpec(_Section):
     interval: int = Field(0, ge=0, description="save every N steps and at the end; 0 saves nothing")
     keep: int = Field(3, ge=1)
-    dir: str = Field("checkpoints", description="checkpoint root directory")
+    dir: str | None = Field(
+        None,
+        max_length=_MAX_PATH,
+        description="checkpoint root directory (a path or a storage URL); default <metrics.dir>/<run_id>/checkpoints, "
+        "this run's own",
+    )
     async_: bool = Field(False, alias="async", description="write checkpoints in the background")
-    resume_from: str | None = Field(None, description="'latest' or a checkpoint directory")
+    resume_from: str | None = Field(None, max_length=_MAX_PATH, description="'latest' or a checkpoint directory")
 
 
 class FailureSpec(_Section):
@@ -166,11 +175,27 @@ class FailureSpec(_Section):
 class MetricsSpec(_Section):
     log_every: int = Field(1, ge=1)
     tensorboard: bool = False
-    dir: str = Field("runs", description="where metrics.jsonl (and TensorBoard events) go, under <dir>/<name>")
+    dir: str = Field(
+        "runs", max_length=_MAX_PATH, description="where runs write: metrics.jsonl (and TensorBoard events) under <dir>/<run_id>"
+    )
+
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # job names, run ids, owners: safe path components
+
+
+def new_run_id(name: str) -> str:
+    """A run's (and a service job's) id: the job name and 8 random hex digits."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
 class JobSpec(_Section):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="job name")
+    name: str = Field(..., pattern=NAME_PATTERN, description="job name")
+    run_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$",
+        description="set by hpservice when the run starts (the job id in the service): the run's outputs go under "
+        "<metrics.dir>/<run_id>; leave unset",
+    )
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
@@ -181,6 +206,25 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+
+    def with_run(self, run_id: str | None = None) -> JobSpec:
+        """This spec with its run decided: ``run_id`` (default: the spec's own, else a new one) and
+        the default checkpoint directory inside the run's directory, so two runs of one job file
+        never share outputs. A spec that already has its run comes back as it is."""
+        if self.run_id is not None and (run_id is None or run_id == self.run_id):
+            return self
+        run_id = run_id or new_run_id(self.name)
+        checkpoint = self.checkpoint
+        if checkpoint.dir is None:
+            checkpoint = checkpoint.model_copy(update={"dir": f"{self.run_dir(run_id)}/checkpoints"})
+        return self.model_copy(update={"run_id": run_id, "checkpoint": checkpoint})
+
+    def run_dir(self, run_id: str | None = None) -> str:
+        """Where this run writes its metrics (a path or a URL)."""
+        run_id = run_id or self.run_id
+        if run_id is None:
+            raise SpecError("the run is not decided yet (JobSpec.with_run)")
+        return f"{self.metrics.dir.rstrip('/')}/{run_id}"
 
     @model_validator(mode="after")
     def _batch_divides(self):

@@ -17,7 +17,8 @@ def test_hpservice_run_tiny_example(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "SUCCEEDED: finished 5 steps" in out.stdout
     assert (tmp_path / "ckpt" / "step-00000005" / "manifest.json").is_file()
-    assert len((tmp_path / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()) == 5
+    (run,) = tmp_path.glob("tiny-cpu-*/metrics.jsonl")
+    assert len(run.read_text().splitlines()) == 5
 
 
 def test_hpservice_run_rejects_bad_spec(tmp_path):

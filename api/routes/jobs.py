@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import uuid
 
 import yaml
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hpservice.spec import SpecError, parse_job, yaml_load
+from hpservice.spec import SpecError, new_run_id, parse_job, yaml_load
 
 from ..auth import current_principal, visible
 from ..errors import APIError
+from ..policy import admit
 from ..schemas import ERRORS, CheckpointList, JobList, JobOut, LogList, MetricsPage
 from ..settings import Principal
 from ..store import TERMINAL
@@ -84,7 +84,12 @@ async def submit(
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]
         raise APIError(422, str(e).splitlines()[0], details) from None
-    job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    job_id = new_run_id(spec.name)
+    try:
+        spec = admit(spec, principal, job_id, request.app.state.settings)
+    except SpecError as e:
+        details = [{"path": path, "message": msg} for path, msg in e.errors]
+        raise APIError(422, str(e).splitlines()[0], details) from None
     store = request.app.state.store
     job, created = await asyncio.to_thread(
         store.create_job,

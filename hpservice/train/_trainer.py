@@ -34,7 +34,7 @@ from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
 from hpservice.models.llama import Llama
 from hpservice.parallel import apply_llama_tp, vocab_parallel_cross_entropy
-from hpservice.spec import JobSpec
+from hpservice.spec import JobSpec, new_run_id
 
 from ._grad_norm import clip_grad_norm_
 
@@ -192,6 +192,10 @@ class Trainer:
         self.device = pick_device(spec)
         self._owns_group = init_distributed(self.device.type)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if spec.run_id is None:  # run directly (torchrun, tests): rank 0 names the run for all
+            run_id = [new_run_id(spec.name) if self.rank == 0 else None]
+            dist.broadcast_object_list(run_id, src=0)
+            spec = self.spec = spec.with_run(run_id[0])
         self.mesh = build_mesh(spec, self.device)
         self.tp = spec.parallelism.tp > 1
         self.dp_mesh = data_parallel_mesh(self.mesh)
@@ -237,7 +241,7 @@ class Trainer:
             vocab_size=vocab if spec.data.kind != "text" else None,
             seed=spec.data.seed,
         )
-        self.output_dir = Path(spec.metrics.dir) / spec.name
+        self.output_dir = Path(spec.run_dir())
         self.step = 0
 
         c = spec.checkpoint

@@ -298,8 +298,8 @@ def _serve_args(argv: list[str], monkeypatch) -> dict:
 
     seen = {}
 
-    def fake(host, port, data_dir, ray_address, tokens_file):
-        seen.update(host=host, port=port, data_dir=data_dir, ray_address=ray_address, tokens_file=tokens_file)
+    def fake(host, port, data_dir, ray_address, tokens_file, **policy):
+        seen.update(host=host, port=port, data_dir=data_dir, ray_address=ray_address, tokens_file=tokens_file, **policy)
         return 0
 
     monkeypatch.setattr(hpservice.serve, "serve", fake)

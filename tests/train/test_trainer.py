@@ -27,7 +27,8 @@ def test_two_ranks_equal_one_process(ranks, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-5)  # the global norm, not a per-rank one
         assert a["lr"] == b["lr"]
-    lines = (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
+    (run,) = tmp_path.glob("t-*/metrics.jsonl")  # this run's own directory: <metrics.dir>/<run_id>
+    lines = run.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
 
@@ -100,7 +101,8 @@ def test_torchrun_runs_the_example_end_to_end(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[tiny-cpu] step     4/4" in out.stdout
-    assert len((tmp_path / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()) == 4
+    (run,) = tmp_path.glob("tiny-cpu-*/metrics.jsonl")  # one run id, agreed by both ranks
+    assert len(run.read_text().splitlines()) == 4
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
 
 
@@ -118,3 +120,17 @@ def test_stop_requested_on_one_rank_stops_all_ranks_after_the_same_step(ranks, t
     steps = ranks(2).run(_stop_seen_by_rank_0_only, spec, timeout=120)
     assert steps[0] == steps[1] == [1, 2, 3]  # agreed in step 3's all-reduce
     assert (tmp_path / "ckpt" / "step-00000003").is_dir()
+
+
+def test_two_runs_of_one_spec_never_share_outputs(ranks, tmp_path):
+    """Run ids in the default paths: a second run of the same job file gets its own metrics file
+    (never appended to the first's) and its own checkpoints (never resumed from or pruned)."""
+    spec = _spec(tmp_path, checkpoint={"interval": 2})
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": None})})
+    for _ in range(2):
+        ranks(2).run(_run, spec)
+    runs = sorted(tmp_path.glob("t-*/metrics.jsonl"))
+    assert len(runs) == 2, runs
+    for run in runs:
+        assert [json.loads(line)["step"] for line in run.read_text().splitlines()] == [1, 2, 3, 4]
+        assert sorted(p.name for p in (run.parent / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]

@@ -1,0 +1,161 @@
+"""What a job spec sent to the service may name: code, and the files it reads and writes.
+
+A spec is untrusted input. ``admit`` checks it at submit, before anything is stored, and gives back the spec
+the job runs with. A violation is a ``SpecError`` naming the field and the rule, which the route
+answers with 422. The rules:
+
+- **Code.** ``model.name`` is a built-in model, or a factory the operator allows. Allowed
+  factories come from ``Settings.model_factories`` (``--allow-model module:factory``) or from the
+  ``hpservice.models`` entry points of installed packages, by entry-point name or by value.
+  ``hpservice run`` and torchrun on one's own machine skip this check and import any factory.
+- **Outputs.** Every job writes under its own directory, ``<data-dir>/jobs/<owner>/<job-id>/``.
+  Relative ``metrics.dir`` / ``checkpoint.dir`` resolve there; absolute paths must stay inside it
+  (symlinks and ``..`` are resolved first). Storage URLs are refused, since this server has no
+  storage prefix of its own.
+- **Inputs.** ``data.path`` must lie under one of the operator's data roots
+  (``Settings.data_roots``, ``--data-root``); with none configured, the service reads no files.
+  ``checkpoint.resume_from`` may name a checkpoint in one of the owner's own job directories (an
+  admin may name any owner's), or one under a data root.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import metadata
+from pathlib import Path
+
+from hpservice.models import list_models
+from hpservice.spec import JobSpec, SpecError
+
+from .settings import Principal, Settings
+
+ENTRY_POINT_GROUP = "hpservice.models"
+
+
+@functools.lru_cache(maxsize=1)
+def entry_point_factories() -> dict[str, str]:
+    """``name -> "module:factory"`` of the ``hpservice.models`` entry points installed here."""
+    return {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def allowed_factories(settings: Settings) -> dict[str, str]:
+    """Every name a spec may give as ``model.name`` besides the built-ins -> the factory it runs."""
+    allowed = {f: f for f in settings.model_factories}
+    for name, value in entry_point_factories().items():
+        allowed[name] = value
+        allowed[value] = value
+    return allowed
+
+
+def job_dir(settings: Settings, owner: str, job_id: str) -> Path:
+    """The one directory a job writes into."""
+    return _real(settings.data_dir) / "jobs" / owner / job_id
+
+
+def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) -> JobSpec:
+    """The spec with its model factory, outputs and inputs checked and resolved for this job;
+    raises SpecError listing every violation."""
+    errors: list[tuple[str, str]] = []
+    home = job_dir(settings, principal.owner, job_id)
+    model = _admit_model(spec, settings, errors)
+    metrics_dir = _output(spec.metrics.dir, "metrics.dir", home, errors)
+    checkpoint_dir = spec.checkpoint.dir
+    if checkpoint_dir is not None:
+        checkpoint_dir = str(_output(checkpoint_dir, "checkpoint.dir", home, errors))
+    data = spec.data
+    if data.path is not None:
+        path = _input(data.path, "data.path", home, settings, errors)
+        data = data.model_copy(update={"path": str(path)})
+    resume = spec.checkpoint.resume_from
+    if resume not in (None, "latest"):
+        resume = _checkpoint_input(resume, principal, home, settings, errors)
+    if errors:
+        lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
+        raise SpecError(f"job spec: not allowed on this server\n{lines}", errors)
+    checked = spec.model_copy(
+        update={
+            "model": model,
+            "data": data,
+            "metrics": spec.metrics.model_copy(update={"dir": str(metrics_dir)}),
+            "checkpoint": spec.checkpoint.model_copy(update={"dir": checkpoint_dir, "resume_from": resume}),
+            "run_id": None,
+        }
+    )
+    return checked.with_run(job_id)
+
+
+def _admit_model(spec: JobSpec, settings: Settings, errors: list):
+    name = spec.model.name
+    if name in list_models():
+        return spec.model
+    allowed = allowed_factories(settings)
+    if name in allowed:
+        return spec.model.model_copy(update={"name": allowed[name]})
+    offer = ", ".join([*list_models(), *sorted(allowed)])
+    errors.append(
+        (
+            "model.name",
+            f"{name!r} is not a built-in model nor a factory this server allows (allowed: {offer}); the "
+            "operator allows factories with --allow-model or the hpservice.models entry points",
+        )
+    )
+    return spec.model
+
+
+def _real(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _is_url(value: str) -> bool:
+    return "://" in value or "::" in value
+
+
+def _output(value: str, field: str, home: Path, errors: list) -> Path | None:
+    if _is_url(value):
+        errors.append((field, f"{value!r}: storage URLs are not enabled on this server; give a path inside the job's directory"))
+        return None
+    path = _real(home / value)  # an absolute value replaces home
+    if not _within(path, home):
+        errors.append((field, f"{value!r} is outside the job's own directory ({home}); outputs stay there"))
+        return None
+    return path
+
+
+def _input(value: str, field: str, home: Path, settings: Settings, errors: list) -> Path | None:
+    if _is_url(value):
+        errors.append((field, f"{value!r}: URLs are not readable on this server"))
+        return None
+    path = _real(home / value)
+    roots = [_real(r) for r in settings.data_roots]
+    if not roots:
+        errors.append((field, "this server reads no input files (the operator allows directories with --data-root)"))
+        return None
+    if not any(_within(path, root) for root in roots):
+        errors.append((field, f"{value!r} is outside the allowed data roots ({', '.join(map(str, roots))})"))
+        return None
+    return path
+
+
+def _checkpoint_input(value: str, principal: Principal, home: Path, settings: Settings, errors: list) -> str | None:
+    if _is_url(value):
+        errors.append(("checkpoint.resume_from", f"{value!r}: URLs are not readable on this server"))
+        return None
+    path = _real(home / value)
+    jobs = home.parent.parent  # <data-dir>/jobs
+    mine = jobs / principal.owner
+    if _within(path, mine) or (principal.admin and _within(path, jobs)):
+        return str(path)
+    if any(_within(path, _real(r)) for r in settings.data_roots):
+        return str(path)
+    errors.append(
+        (
+            "checkpoint.resume_from",
+            f"{value!r} is neither a checkpoint of {principal.owner}'s own jobs ({mine}) nor under an allowed data root",
+        )
+    )
+    return None

@@ -1,0 +1,175 @@
+"""Tenant isolation, attacked: job specs that name code or reach files beyond what the operator
+allows are 422 at submit (naming the field and the rule) and nothing is stored; accepted jobs
+write only under their own directory; tokens files are strict; tokens stay out of logs."""
+
+import logging
+import os
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api import Settings, create_app, policy
+from api.logs import RedactTokens, redact
+from api.settings import Principal, load_tokens
+
+ALICE, BOB, ADMIN = "t-alice-0123456789", "t-bob-0123456789", "t-admin-0123456789"
+TOKENS = {ALICE: Principal("alice"), BOB: Principal("bob"), ADMIN: Principal("ops", admin=True)}
+
+
+def _client(tmp_path, **settings):
+    s = Settings(data_dir=tmp_path / "data", tokens=dict(TOKENS), **settings)
+    return TestClient(create_app(s, connect_ray=False, supervise=False))
+
+
+def _auth(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _spec(**sections):
+    spec = {"name": "tiny", "model": {"name": "llama", "flavor": "tiny"}, "training": {"steps": 3}}
+    for key, value in sections.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return spec
+
+
+def _rejected(c, spec, field, fragment, token=ALICE):
+    r = c.post("/v1/jobs", json=spec, headers=_auth(token))
+    assert r.status_code == 422, r.text
+    details = r.json()["error"]["details"]
+    assert any(d["path"] == field and fragment in d["message"] for d in details), details
+    assert c.get("/v1/jobs", headers=_auth(ADMIN)).json()["items"] == []  # nothing stored
+
+
+# ---- code ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory", ["subprocess:run", "os:system", "builtins:eval", "hpservice.models:build_model"])
+def test_model_factories_outside_the_allowlist_are_refused(tmp_path, factory):
+    with _client(tmp_path) as c:
+        spec = _spec(model={"name": factory, "flavor": None, "overrides": {"args": "touch /tmp/pwned"}})
+        _rejected(c, spec, "model.name", "not a built-in model nor a factory this server allows (allowed: llama, mlp")
+
+
+def test_allowed_factories_by_setting_and_entry_point(tmp_path, monkeypatch):
+    monkeypatch.setattr(policy, "entry_point_factories", lambda: {"team-net": "team_models.nets:make"})
+    with _client(tmp_path, model_factories=("tests.api._factories:tiny",)) as c:
+        ok = c.post("/v1/jobs", json=_spec(model={"name": "tests.api._factories:tiny", "flavor": None}), headers=_auth(ALICE))
+        assert ok.status_code == 201, ok.text
+        by_name = c.post("/v1/jobs", json=_spec(model={"name": "team-net", "flavor": None}), headers=_auth(ALICE))
+        assert by_name.status_code == 201 and by_name.json()["spec"]["model"]["name"] == "team_models.nets:make"
+        r = c.post("/v1/jobs", json=_spec(model={"name": "os:system", "flavor": None}), headers=_auth(ALICE))
+        assert r.status_code == 422 and "tests.api._factories:tiny" in r.text and "team-net" in r.text
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("section", "value"),
+    [
+        ("checkpoint", "/etc"),
+        ("checkpoint", "../../../elsewhere"),
+        ("checkpoint", "s3://bucket/anyone"),
+        ("metrics", "/tmp"),
+        ("metrics", "runs/../../.."),
+    ],
+)
+def test_outputs_outside_the_jobs_own_directory_are_refused(tmp_path, section, value):
+    with _client(tmp_path) as c:
+        _rejected(c, _spec(**{section: {"dir": value}}), f"{section}.dir", value)
+
+
+def test_outputs_resolve_inside_the_jobs_own_directory_and_two_jobs_never_share_one(tmp_path):
+    with _client(tmp_path) as c:
+        a = c.post("/v1/jobs", json=_spec(checkpoint={"interval": 2}), headers=_auth(ALICE)).json()
+        b = c.post("/v1/jobs", json=_spec(checkpoint={"interval": 2}), headers=_auth(ALICE)).json()
+        rel = c.post("/v1/jobs", json=_spec(checkpoint={"dir": "mine"}), headers=_auth(BOB)).json()
+    data = os.path.realpath(tmp_path / "data")
+    for job in (a, b):
+        home = f"{data}/jobs/alice/{job['id']}"
+        assert job["spec"]["run_id"] == job["id"]
+        assert job["spec"]["metrics"]["dir"] == f"{home}/runs"
+        assert job["spec"]["checkpoint"]["dir"] == f"{home}/runs/{job['id']}/checkpoints"
+    assert a["spec"]["checkpoint"]["dir"] != b["spec"]["checkpoint"]["dir"]  # same name, own outputs
+    assert rel["spec"]["checkpoint"]["dir"] == f"{data}/jobs/bob/{rel['id']}/mine"
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+
+def test_input_files_only_from_the_operators_data_roots(tmp_path):
+    root = tmp_path / "datasets"
+    root.mkdir()
+    (root / "corpus.txt").write_text("hello world " * 100)
+    (root / "leak.txt").symlink_to("/etc/passwd")
+    text = {"kind": "text"}
+    with _client(tmp_path) as c:  # no data roots: no files at all
+        _rejected(c, _spec(data={**text, "path": str(root / "corpus.txt")}), "data.path", "reads no input files")
+    with _client(tmp_path, data_roots=(root,)) as c:
+        _rejected(c, _spec(data={**text, "path": "/etc/shadow"}), "data.path", "outside the allowed data roots")
+        _rejected(c, _spec(data={**text, "path": f"{root}/../../../etc/shadow"}), "data.path", "outside")
+        _rejected(c, _spec(data={**text, "path": str(root / "leak.txt")}), "data.path", "outside")  # symlink out
+        ok = c.post("/v1/jobs", json=_spec(data={**text, "path": str(root / "corpus.txt")}), headers=_auth(ALICE))
+        assert ok.status_code == 201, ok.text
+
+
+def test_resuming_another_owners_checkpoint_is_refused(tmp_path):
+    with _client(tmp_path) as c:
+        bobs = c.post("/v1/jobs", json=_spec(checkpoint={"interval": 1}), headers=_auth(BOB)).json()
+        bob_ckpt = f"{bobs['spec']['checkpoint']['dir']}/step-00000001"
+        spec = _spec(checkpoint={"resume_from": bob_ckpt})
+        r = c.post("/v1/jobs", json=spec, headers=_auth(ALICE))
+        assert r.status_code == 422 and r.json()["error"]["details"][0]["path"] == "checkpoint.resume_from"
+        assert c.post("/v1/jobs", json=spec, headers=_auth(BOB)).status_code == 201  # the owner may
+        assert c.post("/v1/jobs", json=spec, headers=_auth(ADMIN)).status_code == 201  # and an admin
+        for evil in ("/etc", f"{tmp_path}/data/hpservice.db", "s3://other/step-1"):
+            r = c.post("/v1/jobs", json=_spec(checkpoint={"resume_from": evil}), headers=_auth(ALICE))
+            assert r.status_code == 422, evil
+
+
+# ---- tokens -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('tok-aaaaaaaaaaaaaaaa: {owner: alice, admin: "false"}\n', "admin must be true or false"),
+        ("tok-aaaaaaaaaaaaaaaa: {owner: alice, admn: true}\n", "unknown keys ['admn']"),
+        ("tok-aaaaaaaaaaaaaaaa: {owner: ../../etc}\n", "owner must be a name"),
+        ("tok-aaaaaaaaaaaaaaaa: {admin: true}\n", "owner must be a name"),
+        ("tok-aaaaaaaaaaaaaaaa: alice\n", "expected {owner"),
+    ],
+)
+def test_tokens_file_is_strict_and_errors_never_show_the_token(tmp_path, text, fragment):
+    f = tmp_path / "tokens.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match="entry 1") as info:
+        load_tokens(str(f), env="")
+    assert fragment in str(info.value) and "tok-aaaa" not in str(info.value)
+
+
+def test_tokens_from_the_environment_are_strict():
+    assert load_tokens(None, env="abcdefghijklmnop=alice:admin")["abcdefghijklmnop"] == Principal("alice", True)
+    with pytest.raises(ValueError, match="must be 'admin'"):
+        load_tokens(None, env="abcdefghijklmnop=alice:root")
+    settings = Settings(tokens=load_tokens(None, env="abcdefghijklmnop=alice"))
+    assert settings.principal_for("abcdefghijklmnop") == Principal("alice")
+    assert settings.principal_for("abcdefghijklmnoq") is None and settings.principal_for("") is None
+
+
+def test_the_sse_token_never_reaches_a_log_line(caplog):
+    assert redact("GET /v1/jobs/x/events?token=s3cret&x=1 HTTP/1.1") == "GET /v1/jobs/x/events?token=<redacted>&x=1 HTTP/1.1"
+    logger = logging.getLogger("test.access")
+    logger.addFilter(RedactTokens())
+    with caplog.at_level(logging.INFO, logger="test.access"):
+        # uvicorn's access record: the path with its query string is an argument
+        logger.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "GET", "/v1/jobs/x/events?token=s3cret", "1.1", 200)
+    assert "s3cret" not in caplog.text and "token=<redacted>" in caplog.text
+
+
+def test_the_operator_can_close_the_docs(tmp_path):
+    with _client(tmp_path) as c:
+        assert c.get("/docs").status_code == 200 and c.get("/openapi.json").status_code == 200
+    with _client(tmp_path, docs=False) as c:
+        assert c.get("/docs").status_code == 404 and c.get("/openapi.json").status_code == 404
+        assert c.get("/healthz").status_code == 200
