@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("hpservice.api")
@@ -23,6 +24,12 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, details: list | None = None, code: str | None = None) -> dict:
     return {"error": {"code": code or _CODES.get(status, "error"), "message": message, "details": details or []}}
+
+
+def store_failure(exc: Exception) -> str:
+    """The database's own one-line reason ("database or disk is full"), without the SQL."""
+    orig = getattr(exc, "orig", None) or exc
+    return (str(orig).strip().splitlines() or [type(orig).__name__])[0][:200]
 
 
 def install(app: FastAPI) -> None:
@@ -42,6 +49,13 @@ def install(app: FastAPI) -> None:
             {"path": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]} for e in exc.errors()
         ]
         return JSONResponse(error_body(422, "invalid request", details), status_code=422)
+
+    @app.exception_handler(OperationalError)
+    async def _store_unavailable(request: Request, exc: OperationalError):
+        # disk full, read-only data dir, database gone: the request loses nothing and may be retried
+        reason = store_failure(exc)
+        log.error("store unavailable on %s %s: %s", request.method, request.url.path, reason)
+        return JSONResponse(error_body(503, f"store unavailable: {reason}"), status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -15,7 +15,20 @@ import threading
 import time
 from typing import Any
 
-from sqlalchemy import Float, Integer, String, Text, UniqueConstraint, create_engine, delete, event, func, select
+from sqlalchemy import (
+    Float,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    delete,
+    event,
+    func,
+    inspect,
+    select,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -44,6 +57,7 @@ class JobRow(Base):
     history_json: Mapped[str] = mapped_column(Text, default="[]")
     checkpoints_json: Mapped[str] = mapped_column(Text, default="[]")
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)  # of the spec as submitted
     started: Mapped[int] = mapped_column(Integer, default=0)  # the coordinator was launched
     log_time: Mapped[float] = mapped_column(Float, default=0.0)  # newest log line stored
 
@@ -81,6 +95,14 @@ class EventRow(Base):
     data_json: Mapped[str] = mapped_column(Text)
 
 
+class HeartbeatRow(Base):
+    """One row the readiness probe rewrites: a store that cannot write is not ready."""
+
+    __tablename__ = "heartbeat"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[float] = mapped_column(Float)
+
+
 class Store:
     def __init__(self, url: str):
         sqlite = url.startswith("sqlite")
@@ -95,20 +117,45 @@ class Store:
                 cur.close()
 
         Base.metadata.create_all(self.engine)
+        self._add_missing_columns()
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._write = threading.Lock()
+
+    def _add_missing_columns(self) -> None:
+        """Columns added since a store was created (create_all makes missing tables only), so an
+        upgraded server keeps its jobs. Nullable columns only; real migrations: issue 19."""
+        existing = {c["name"] for c in inspect(self.engine).get_columns("jobs")}
+        with self.engine.begin() as conn:
+            for column in JobRow.__table__.columns:
+                if column.name not in existing and column.nullable:
+                    kind = column.type.compile(self.engine.dialect)
+                    conn.execute(text(f'ALTER TABLE jobs ADD COLUMN "{column.name}" {kind}'))
 
     def session(self) -> Session:
         return self._sessions()
 
     def ping(self) -> None:
+        """Raise unless the store can be read and written (disk full, read-only data dir)."""
         with self.session() as s:
             s.execute(select(1))
+        with self._write, self.session() as s:
+            s.merge(HeartbeatRow(id=1, at=time.time()))
+            s.commit()
 
     # ---- jobs -------------------------------------------------------------------------------
-    def create_job(self, job_id: str, name: str, owner: str, spec: dict, total_steps: int, idempotency_key: str | None):
+    def create_job(
+        self,
+        job_id: str,
+        name: str,
+        owner: str,
+        spec: dict,
+        total_steps: int,
+        idempotency_key: str | None,
+        request_hash: str | None = None,
+    ):
         """Insert a QUEUED job; returns (row dict, created). An idempotency key seen before for the
-        same owner returns the existing job instead."""
+        same owner returns the existing job instead, or (None, False) when that job was submitted
+        with a different request (``request_hash``)."""
         now = time.time()
         with self._write, self.session() as s:
             if idempotency_key is not None:
@@ -116,12 +163,14 @@ class Store:
                     select(JobRow).where(JobRow.owner == owner, JobRow.idempotency_key == idempotency_key)
                 )
                 if existing is not None:
+                    if request_hash is not None and existing.request_hash not in (None, request_hash):
+                        return None, False
                     return existing.to_dict(), False
             history = [{"state": "QUEUED", "time": now, "message": "submitted"}]
             row = JobRow(
                 id=job_id, name=name, owner=owner, state="QUEUED", message="submitted", spec_json=json.dumps(spec),
                 created_at=now, updated_at=now, step=0, total_steps=total_steps, restarts=0,
-                history_json=json.dumps(history), idempotency_key=idempotency_key,
+                history_json=json.dumps(history), idempotency_key=idempotency_key, request_hash=request_hash,
             )  # fmt: skip
             s.add(row)
             self._add_event(s, job_id, "state", {"state": "QUEUED", "message": "submitted", "restarts": 0, "time": now})

@@ -22,14 +22,57 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["NAME_PATTERN", "JobSpec", "SpecError", "apply_overrides", "load_job", "new_run_id", "parse_job", "yaml_load"]
+__all__ = [
+    "NAME_PATTERN",
+    "JobSpec",
+    "SpecError",
+    "apply_overrides",
+    "check_bounds",
+    "load_job",
+    "new_run_id",
+    "parse_job",
+    "yaml_load",
+]
 
 
 _MAX_PATH = 4096  # characters in a path or URL field
 
 
+# Bounds of a spec as plain data, whatever its source (a YAML alias bomb expands past any body
+# limit): nesting, values after alias expansion, characters of strings, integers (stored as int64).
+MAX_DEPTH = 32
+MAX_VALUES = 20_000
+MAX_TEXT = 1 << 20
+MAX_ALIASES = 100
+INT64 = (-(1 << 63), (1 << 63) - 1)
+MAX_OVERRIDES_BYTES = 64 << 10
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML with 1.2-style floats: PyYAML reads ``3e-4`` (no dot) as a string, which a strict spec rejects."""
+    """YAML with 1.2-style floats (PyYAML reads ``3e-4``, no dot, as a string, which a strict
+    spec rejects), at most ``MAX_ALIASES`` aliases and ``MAX_DEPTH`` levels of nesting."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"more than {MAX_ALIASES} aliases", self.peek_event().start_mark
+                )
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH + 1:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.add_implicit_resolver(
@@ -60,9 +103,24 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    name: str = Field("llama", description="built-in model ('llama', 'mlp') or 'package.module:factory'")
-    flavor: str | None = Field("tiny", description="size preset of a built-in model (tiny, small, 1B, 8B)")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="config fields to change, or factory kwargs")
+    name: str = Field(
+        "llama", max_length=200, description="built-in model ('llama', 'mlp') or 'package.module:factory'"
+    )
+    flavor: str | None = Field(
+        "tiny", max_length=64, description="size preset of a built-in model (tiny, small, 1B, 8B)"
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description=f"config fields to change, or factory kwargs (at most {MAX_OVERRIDES_BYTES} bytes as JSON)",
+    )
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides_bounded(cls, v: dict) -> dict:
+        size = len(json.dumps(v))
+        if size > MAX_OVERRIDES_BYTES:
+            raise ValueError(f"{size} bytes as JSON; at most {MAX_OVERRIDES_BYTES}")
+        return v
 
 
 class DataSpec(_Section):
@@ -239,10 +297,45 @@ def _field_path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<root>"
 
 
+def check_bounds(data: Any, *, source: str = "job") -> None:
+    """Raise SpecError unless ``data`` stays within the spec's bounds: nesting, number of values
+    and characters after alias expansion, integers in int64, finite floats. Iterative, and it
+    stops at the first bound crossed, so a bomb costs at most ``MAX_VALUES`` steps."""
+    stack = [(data, "", 0)]
+    values = text = 0
+    while stack:
+        value, path, depth = stack.pop()
+        values += 1
+        where = path or "<root>"
+        if values > MAX_VALUES:
+            raise SpecError(f"{source}: more than {MAX_VALUES} values", [(where, f"more than {MAX_VALUES} values")])
+        if depth > MAX_DEPTH:
+            raise SpecError(f"{source}: nested deeper than {MAX_DEPTH} levels", [(where, "nested too deeply")])
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            if not INT64[0] <= value <= INT64[1]:
+                raise SpecError(f"{source}: integer out of range", [(where, "integer outside the 64-bit range")])
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise SpecError(f"{source}: non-finite number", [(where, f"{value} is not a finite number")])
+        elif isinstance(value, str):
+            text += len(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                text += len(str(key))
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list | tuple):
+            stack.extend((item, f"{path}.{i}" if path else str(i), depth + 1) for i, item in enumerate(value))
+        if text > MAX_TEXT:
+            raise SpecError(f"{source}: more than {MAX_TEXT} characters of text", [(where, "too much text")])
+
+
 def parse_job(data: Any, *, source: str = "job") -> JobSpec:
     """Validate a mapping into a JobSpec; raise SpecError naming every bad field."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping of sections, got {type(data).__name__}")
+    check_bounds(data, source=source)
     try:
         text = json.dumps(data)
     except (TypeError, ValueError) as e:

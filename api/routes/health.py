@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ..errors import error_body
+from ..errors import error_body, store_failure
 from ..schemas import ErrorOut
 
 router = APIRouter(tags=["health"])
@@ -24,7 +24,7 @@ def readyz(request: Request):
     try:
         request.app.state.store.ping()
     except Exception as e:  # a broken store makes the service unready, not the request a 500
-        return JSONResponse(error_body(503, f"store unavailable: {type(e).__name__}"), status_code=503)
+        return JSONResponse(error_body(503, f"store unavailable: {store_failure(e)}"), status_code=503)
     if not ray.is_initialized():
         return JSONResponse(error_body(503, "not connected to Ray"), status_code=503)
     return {"status": "ready"}

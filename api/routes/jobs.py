@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 
 import yaml
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hpservice.spec import SpecError, new_run_id, parse_job, yaml_load
+from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yaml_load
 
 from ..auth import current_principal, visible
 from ..errors import APIError
@@ -46,30 +47,55 @@ def _job_or_404(request: Request, job_id: str, principal: Principal) -> dict:
     return job
 
 
-async def _parse_body(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
+async def _read_body(request: Request) -> bytes:
+    """The body, read as it arrives and refused as soon as it passes ``MAX_BODY``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
         raise APIError(413, f"job spec larger than {MAX_BODY} bytes")
-    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise APIError(413, f"job spec larger than {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(raw: bytes, ctype: str):
+    """Text -> plain data (JSON or YAML, with the spec's limits); runs off the event loop."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(422, "body is not UTF-8 text") from None
-    if ctype in YAML_TYPES:
-        try:
-            data = yaml_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise APIError(422, f"YAML syntax error{where}: {getattr(e, 'problem', None) or e}") from None
-    elif ctype in ("application/json", ""):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise APIError(422, f"JSON syntax error at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    else:
-        raise APIError(415, f"unsupported content type {ctype!r}; use application/json or application/yaml")
-    return data
+    try:
+        if ctype in YAML_TYPES:
+            try:
+                return yaml_load(text)
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                raise APIError(422, f"YAML syntax error{where}: {getattr(e, 'problem', None) or e}") from None
+        if ctype in ("application/json", ""):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as e:
+                raise APIError(422, f"JSON syntax error at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise APIError(422, "job spec nested too deeply") from None
+    raise APIError(415, f"unsupported content type {ctype!r}; use application/json or application/yaml")
+
+
+def _validate(data) -> JobSpec:
+    try:
+        return parse_job(data, source="job spec")
+    except SpecError as e:
+        details = [{"path": path, "message": msg} for path, msg in e.errors]
+        raise APIError(422, str(e).splitlines()[0], details) from None
+
+
+def _request_hash(data) -> str:
+    """What a retry with the same Idempotency-Key must send again (the spec as submitted)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 @router.post("", status_code=201, response_model=JobOut, openapi_extra=SPEC_BODY, responses={200: {"model": JobOut}})
@@ -78,12 +104,10 @@ async def submit(
     principal: Principal = Depends(current_principal),
     idempotency_key: str | None = Header(None, max_length=200),
 ):
-    data = await _parse_body(request)
-    try:
-        spec = parse_job(data, source="job spec")
-    except SpecError as e:
-        details = [{"path": path, "message": msg} for path, msg in e.errors]
-        raise APIError(422, str(e).splitlines()[0], details) from None
+    raw = await _read_body(request)
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    data = await asyncio.to_thread(_decode, raw, ctype)
+    spec = await asyncio.to_thread(_validate, data)
     job_id = new_run_id(spec.name)
     try:
         spec = admit(spec, principal, job_id, request.app.state.settings)
@@ -99,7 +123,12 @@ async def submit(
         spec.model_dump(mode="json", by_alias=True),
         spec.training.steps,
         idempotency_key,
+        _request_hash(data),
     )
+    if job is None:
+        raise APIError(
+            409, f"Idempotency-Key {idempotency_key!r} was used before with a different job spec; use a new key"
+        )
     return JSONResponse(_out(request, job), status_code=201 if created else 200)
 
 
@@ -158,7 +187,10 @@ def delete(job_id: str, request: Request, principal: Principal = Depends(current
 
 @router.get("/{job_id}/metrics", response_model=MetricsPage)
 def metrics(
-    job_id: str, request: Request, since_step: int = Query(0, ge=0), principal: Principal = Depends(current_principal)
+    job_id: str,
+    request: Request,
+    since_step: int = Query(0, ge=0, le=INT64[1]),
+    principal: Principal = Depends(current_principal),
 ):
     _job_or_404(request, job_id, principal)
     records = request.app.state.store.metrics(job_id, since_step)
@@ -169,7 +201,7 @@ def metrics(
 def logs(
     job_id: str,
     request: Request,
-    rank: int | None = Query(None, ge=0),
+    rank: int | None = Query(None, ge=0, le=1 << 20),
     tail: int | None = Query(None, ge=1, le=100_000),
     principal: Principal = Depends(current_principal),
 ):
@@ -197,6 +229,8 @@ async def events(
         after = int(last_event_id) if last_event_id else 0
     except ValueError:
         raise APIError(400, "Last-Event-ID must be an integer") from None
+    if not 0 <= after <= INT64[1]:
+        raise APIError(400, "Last-Event-ID must be an integer from 0 to 2^63 - 1")
     store = request.app.state.store
 
     async def stream():
@@ -215,8 +249,8 @@ async def events(
             if await request.is_disconnected():
                 return
             job = await asyncio.to_thread(store.get_job, job_id)
-            if job is None:
-                return
+            if job is None or job["state"] in TERMINAL:
+                return  # deleted, or ended with nothing after Last-Event-ID: the stream is over
             await asyncio.sleep(0.25)
             idle += 0.25
             if idle >= 15:

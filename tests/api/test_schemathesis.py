@@ -20,7 +20,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", _APP)
 
 # /events is an endless stream and /readyz is 503 without Ray by design: the other tests cover them.
 @schema.exclude(path_regex=r".*/events$|^/readyz$").parametrize()
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 def test_api_fuzz(case):
     case.call_and_validate(
         headers={"Authorization": "Bearer t"},

@@ -250,3 +250,22 @@ def test_fifty_concurrent_submissions_are_all_stored(service, tmp_path):
             ops.post(f"/v1/jobs/{job_id}/cancel")
     for job_id in ids:
         _wait(service, job_id, ("CANCELLED", "SUCCEEDED", "FAILED"), timeout=120, token="t-ops")
+
+
+def test_an_endless_body_is_refused_at_the_limit_without_reading_it_all(service):
+    """A chunked body that never ends: the server answers 413 once the limit is passed (it used
+    to read the whole body first, so this request got no answer at all)."""
+    host, port = "127.0.0.1", service.port
+    with socket.create_connection((host, port), timeout=60) as s:
+        s.sendall(
+            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t-alice\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b" " * (64 << 10)
+        try:
+            for _ in range(40):  # 2.5 MiB, past the 1 MiB limit; the terminating chunk never comes
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server may close as soon as it has answered
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
