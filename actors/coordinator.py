@@ -8,8 +8,9 @@ address for the rendezvous, and then supervises:
 - every ``POLL_S`` it polls the workers; a dead worker (process lost, node lost) or a raised
   exception tears the group down and restarts it from the latest committed checkpoint, up to
   ``failure.max_restarts`` times with back-off;
-- a watchdog: no rank makes progress for ``failure.step_timeout_s`` -> the stacks of every rank
-  go to the log, then restart or fail;
+- a watchdog: no rank makes progress for ``failure.step_timeout_s`` (``startup_timeout_s`` until
+  the first step of an attempt: rendezvous, model build, checkpoint load) -> the stacks of every
+  rank go to the log, then restart or fail;
 - ``stop()`` asks the workers to finish their step and checkpoint, kills them after a deadline.
 
 Metrics reach it from rank 0 (``report``) into a bounded buffer that clients read with
@@ -238,6 +239,7 @@ class Coordinator:
             raise _Failure(f"workers failed to start: {type(e).__name__}: {e}") from None
         self._set_state("RUNNING", f"{n} workers, rendezvous {master_addr}:{master_port}")
         stop_sent_at = None
+        first_step = None  # the step this attempt started from: until a rank passes it, it is starting up
         while True:
             time.sleep(POLL_S)
             try:
@@ -263,11 +265,15 @@ class Coordinator:
                     self._kill_workers()
                     return ("CANCELLED", f"killed after the {self._stop_deadline_s:g} s stop deadline")
                 continue
+            step = min(p["step"] for p in polls)
+            first_step = step if first_step is None else first_step
+            starting = step <= first_step  # the first step of an attempt also builds, loads and warms up
+            limit = spec.failure.startup_timeout_s if starting else spec.failure.step_timeout_s
             stalled = time.time() - min(p["last_progress"] for p in polls)
-            if stalled > spec.failure.step_timeout_s:
+            if stalled > limit:
                 self._dump_stacks()
-                step = min(p["step"] for p in polls)
-                raise _Failure(f"hang: no progress for {stalled:.0f} s after step {step} (stacks in the log)")
+                what = f"before the first step of attempt (startup_timeout_s {limit:g})" if starting else f"after step {step}"
+                raise _Failure(f"hang: no progress for {stalled:.0f} s {what} (stacks in the log)")
 
     def _dump_stacks(self) -> None:
         for rank, w in enumerate(self._workers):

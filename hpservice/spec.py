@@ -228,6 +228,12 @@ class CheckpointSpec(_Section):
 class FailureSpec(_Section):
     max_restarts: int = Field(0, ge=0)
     step_timeout_s: float = Field(600.0, gt=0, description="a step making no progress this long is a hang")
+    startup_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="rendezvous, model build, checkpoint load and the first step of an attempt may take this long "
+        "before it counts as a hang (step_timeout_s applies from then on)",
+    )
 
 
 class MetricsSpec(_Section):
