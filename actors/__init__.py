@@ -69,14 +69,18 @@ class JobHandle:
     def poll(self, since_step: int = 0) -> dict:
         return ray.get(self.coordinator.poll.remote(since_step))
 
-    def logs(self, rank: int | None = None, tail: int | None = None, since: int = 0) -> list[dict]:
-        return ray.get(self.coordinator.logs.remote(rank, tail, since))
+    def logs(self, rank: int | None = None, tail: int | None = None, since: int = 0, since_seq: int = 0) -> list[dict]:
+        return ray.get(self.coordinator.logs.remote(rank, tail, since, since_seq))
 
     def checkpoints(self) -> list[dict]:
         return ray.get(self.coordinator.checkpoints.remote())
 
-    def stop(self, graceful: bool = True, deadline_s: float = 60.0) -> None:
-        ray.get(self.coordinator.stop.remote(graceful, deadline_s))
+    def stop(self, graceful: bool = True, deadline_s: float = 60.0, wait: bool = True) -> None:
+        """Ask the coordinator to stop; ``wait=False`` does not wait for it to take the request
+        (a frozen coordinator must not block the caller)."""
+        ref = self.coordinator.stop.remote(graceful, deadline_s)
+        if wait:
+            ray.get(ref)
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> dict:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -82,6 +82,7 @@ class Coordinator:
         self._dropped = 0
         self._logs: dict[int, deque] = {}
         self._log_offset: dict[int, int] = {}
+        self._log_seq = 0  # one sequence over all ranks: the cursor clients resume from
         self._checkpoints: list[dict] = []
         self._restarts: list[dict] = []
         self._stop_requested = False
@@ -136,15 +137,26 @@ class Coordinator:
         with self._lock:
             buf = self._logs.setdefault(rank, deque(maxlen=LOG_LINES_PER_RANK))
             offset = self._log_offset.get(rank, 0)
-            buf.append({"offset": offset, "rank": rank, "step": step, "time": time.time(), "line": line})
+            self._log_seq += 1
+            entry = {"seq": self._log_seq, "offset": offset, "rank": rank, "step": step, "time": time.time()}
+            buf.append({**entry, "line": line})
             self._log_offset[rank] = offset + 1
 
-    def logs(self, rank: int | None = None, tail: int | None = None, since: int = 0) -> list[dict]:
-        """Log lines of one rank (or all), from offset ``since``, the last ``tail`` of them."""
+    def logs(
+        self, rank: int | None = None, tail: int | None = None, since: int = 0, since_seq: int = 0
+    ) -> list[dict]:
+        """Log lines of one rank (or all), from per-rank offset ``since`` and after sequence number
+        ``since_seq`` (one sequence over all ranks: the cursor a follower keeps), the last
+        ``tail`` of them, in sequence order."""
         with self._lock:
             ranks = [rank] if rank is not None else sorted(self._logs)
-            lines = [entry for r in ranks for entry in self._logs.get(r, ()) if entry["offset"] >= since]
-        lines.sort(key=lambda e: e["time"])
+            lines = [
+                entry
+                for r in ranks
+                for entry in self._logs.get(r, ())
+                if entry["offset"] >= since and entry["seq"] > since_seq
+            ]
+        lines.sort(key=lambda e: e["seq"])
         return lines[-tail:] if tail else lines
 
     def record_checkpoint(self, info: dict) -> None:

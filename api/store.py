@@ -59,7 +59,8 @@ class JobRow(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)  # of the spec as submitted
     started: Mapped[int] = mapped_column(Integer, default=0)  # the coordinator was launched
-    log_time: Mapped[float] = mapped_column(Float, default=0.0)  # newest log line stored
+    log_time: Mapped[float] = mapped_column(Float, default=0.0)  # newest log line stored (stores before log_seq)
+    log_seq: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the coordinator's cursor: last line stored
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -203,7 +204,20 @@ class Store:
     def jobs_in(self, states: tuple[str, ...]) -> list[dict]:
         with self.session() as s:
             rows = s.scalars(select(JobRow).where(JobRow.state.in_(states)).order_by(JobRow.created_at, JobRow.id))
-            return [dict(r.to_dict(), started=bool(r.started), log_time=r.log_time) for r in rows]
+            return [dict(r.to_dict(), started=bool(r.started), log_time=r.log_time, log_seq=r.log_seq) for r in rows]
+
+    def set_message(self, job_id: str, message: str) -> None:
+        """A new message for the job's current state (no state change, no history entry)."""
+        with self._write, self.session() as s:
+            row = s.get(JobRow, job_id)
+            if row is not None and row.message != message:
+                row.message, row.updated_at = message, time.time()
+                s.commit()
+
+    def is_started(self, job_id: str) -> bool:
+        with self.session() as s:
+            row = s.get(JobRow, job_id)
+            return bool(row is not None and row.started)
 
     def mark_started(self, job_id: str) -> None:
         with self._write, self.session() as s:
@@ -294,6 +308,9 @@ class Store:
                 self._add_event(s, job_id, "log", {k: line[k] for k in ("rank", "step", "time", "line")})
             row = s.get(JobRow, job_id)
             row.log_time = max(row.log_time, max(line["time"] for line in lines))
+            seqs = [line["seq"] for line in lines if "seq" in line]
+            if seqs:
+                row.log_seq = max(row.log_seq or 0, *seqs)
             s.commit()
 
     def logs(self, job_id: str, rank: int | None, tail: int | None) -> list[dict]:

@@ -4,10 +4,15 @@ One background thread, every ``poll_interval_s``:
 
 1. the oldest QUEUED job not yet launched starts (its Coordinator actor) when the cluster has
    room for it now; a job that can never fit fails at once with the reason; later jobs wait
-   behind it (first in, first out);
-2. every launched, unfinished job's coordinator is polled: new metrics, log lines, checkpoints
-   and state changes go to the store (and so to SSE clients). A job that ended has its
-   coordinator shut down.
+   behind it (first in, first out). Launch and cancel take one lock and re-read the job's
+   state, so a cancel either finds the job unlaunched (CANCELLED, never launched) or launched
+   (the coordinator is asked to stop): a job the store calls CANCELLED never runs;
+2. every launched, unfinished job's coordinator is asked for its news (metrics after the last
+   stored step, log lines after the stored log cursor, its status) without waiting: the answers
+   of every coordinator that has answered are stored (and so reach SSE clients), so one slow or
+   frozen coordinator never delays another job. At most one request per job is in flight; a
+   coordinator that has not answered for ``POLL_TIMEOUT_S`` is marked unhealthy in the job's
+   message until it answers again. A job that ended has its coordinator shut down.
 
 On start it finds the launched, unfinished jobs in the store and re-attaches to their
 coordinators by name, then back-fills the metrics that came in meanwhile (the coordinator keeps
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -32,17 +38,32 @@ from .store import Store
 log = logging.getLogger("hpservice.api.supervisor")
 
 ACTIVE = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "CANCELLING")
+POLL_TIMEOUT_S = 30.0  # a coordinator that has not answered this long is unhealthy
+
+
+@dataclass
+class _Request:
+    """One job's news request in flight: its status (with metrics) and its new log lines."""
+
+    handle: JobHandle
+    poll: ray.ObjectRef
+    logs: ray.ObjectRef
+    log_time: float  # stores without a log cursor: lines newer than this are new
+    issued: float
+    overdue: bool = False
 
 
 class Supervisor:
-    def __init__(self, store: Store, poll_interval_s: float = 0.5):
+    def __init__(self, store: Store, poll_interval_s: float = 0.5, poll_timeout_s: float = POLL_TIMEOUT_S):
         self.store = store
         self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
         self._handles: dict[str, JobHandle] = {}
+        self._requests: dict[str, _Request] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_launch = 0.0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # launch, cancel and the handle table
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="hpservice-supervisor", daemon=True)
@@ -55,13 +76,17 @@ class Supervisor:
 
     # ---- requests from routes --------------------------------------------------------------
     def cancel(self, job: dict) -> None:
-        if job["state"] in TERMINAL:
-            return
-        handle = self._handle(job["id"])
-        if handle is None:
-            self.store.set_state(job["id"], "CANCELLED", "cancelled before it started")
-        else:
-            handle.stop(graceful=True, deadline_s=60)
+        """Cancel ``job``: one transition, whatever the launch is doing (see the module doc)."""
+        with self._lock:
+            current = self.store.get_job(job["id"])
+            if current is None or current["state"] in TERMINAL:
+                return
+            if not self.store.is_started(job["id"]):
+                self.store.set_state(job["id"], "CANCELLED", "cancelled before it started")
+                return
+            handle = self._handle(job["id"])
+        if handle is not None:
+            handle.stop(graceful=True, deadline_s=60, wait=False)  # a frozen coordinator must not block the route
 
     # ---- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -75,33 +100,44 @@ class Supervisor:
     def tick(self) -> None:
         jobs = self.store.jobs_in(ACTIVE)
         self._launch_next([j for j in jobs if not j["started"]])
+        self._collect()
+        now = time.monotonic()
         for job in jobs:
-            if job["started"]:
-                self._follow(job)
+            if not job["started"]:
+                continue
+            request = self._requests.get(job["id"])
+            if request is None:
+                self._ask(job)
+            elif not request.overdue and now - request.issued > self.poll_timeout_s:
+                request.overdue = True
+                self.store.set_message(
+                    job["id"], f"unhealthy: its coordinator has not answered for {self.poll_timeout_s:g} s"
+                )
+        self._collect(wait_s=0.1)  # answers that come at once are stored in this tick
 
     def _launch_next(self, waiting: list[dict]) -> None:
         if not waiting or time.monotonic() - self._last_launch < 2.0:
             return  # give the last launch time to take its resources
         job = waiting[0]
-        if (self.store.get_job(job["id"]) or {}).get("state") != "QUEUED":
-            return  # cancelled meanwhile
         spec = parse_job(job["spec"])
         r = spec.resources
         gpus = 1 if r.use_gpu is True else 0
-        why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
-        if why is not None:
-            self.store.set_state(job["id"], "FAILED", why)
-            return
-        free = ray.available_resources()
-        if free.get("CPU", 0) + 1e-9 < r.workers * r.cpus_per_worker or free.get("GPU", 0) < r.workers * gpus:
-            if job["message"] == "submitted":
-                self.store.set_state(
-                    job["id"], "QUEUED", f"waiting for resources: {r.workers} x {r.cpus_per_worker:g} CPU"
-                )
-            return
         with self._lock:
+            if (self.store.get_job(job["id"]) or {}).get("state") != "QUEUED" or self.store.is_started(job["id"]):
+                return  # cancelled (or launched) meanwhile
+            why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
+            if why is not None:
+                self.store.set_state(job["id"], "FAILED", why)
+                return
+            free = ray.available_resources()
+            if free.get("CPU", 0) + 1e-9 < r.workers * r.cpus_per_worker or free.get("GPU", 0) < r.workers * gpus:
+                if job["message"] == "submitted":
+                    self.store.set_state(
+                        job["id"], "QUEUED", f"waiting for resources: {r.workers} x {r.cpus_per_worker:g} CPU"
+                    )
+                return
             self._handles[job["id"]] = start_job(spec, job_id=job["id"])
-        self.store.mark_started(job["id"])
+            self.store.mark_started(job["id"])
         self._last_launch = time.monotonic()
 
     def _handle(self, job_id: str) -> JobHandle | None:
@@ -116,27 +152,51 @@ class Supervisor:
                     return None
             return handle
 
-    def _follow(self, job: dict) -> None:
+    def _ask(self, job: dict) -> None:
+        """Send one news request to the job's coordinator; never waits for the answer."""
         handle = self._handle(job["id"])
         if handle is None:
             self.store.set_state(job["id"], "FAILED", "coordinator lost (the Ray cluster was restarted?)")
             return
+        coordinator = handle.coordinator
+        self._requests[job["id"]] = _Request(
+            handle=handle,
+            poll=coordinator.poll.remote(self.store.last_metric_step(job["id"])),
+            logs=coordinator.logs.remote(None, None, 0, job.get("log_seq") or 0),
+            log_time=job["log_time"] if job.get("log_seq") is None else -1.0,
+            issued=time.monotonic(),
+        )
+
+    def _collect(self, wait_s: float = 0.0) -> None:
+        """Store the answers that have arrived (within ``wait_s`` for all of them together);
+        leave the others in flight."""
+        if not self._requests:
+            return
+        refs = [ref for r in self._requests.values() for ref in (r.poll, r.logs)]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        ready = set(ready)
+        for job_id, request in list(self._requests.items()):
+            if request.poll in ready and request.logs in ready:
+                del self._requests[job_id]
+                self._store_answer(job_id, request)
+
+    def _store_answer(self, job_id: str, request: _Request) -> None:
         try:
-            update = handle.poll(since_step=self.store.last_metric_step(job["id"]))
-            lines = [line for line in handle.logs() if line["time"] > job["log_time"]]
+            update = ray.get(request.poll)
+            lines = [line for line in ray.get(request.logs) if line["time"] > request.log_time]
         except ray.exceptions.RayActorError:
             with self._lock:
-                self._handles.pop(job["id"], None)
-            self.store.set_state(job["id"], "FAILED", "coordinator died")
+                self._handles.pop(job_id, None)
+            self.store.set_state(job_id, "FAILED", "coordinator died")
             return
-        self.store.add_metrics(job["id"], update["records"])
-        self.store.add_logs(job["id"], lines)
+        self.store.add_metrics(job_id, update["records"])
+        self.store.add_logs(job_id, lines)
         status = update["status"]
-        self.store.update_status(job["id"], status)
+        self.store.update_status(job_id, status)
         if status["state"] in TERMINAL:
             with self._lock:
-                self._handles.pop(job["id"], None)
-            handle.shutdown()
+                self._handles.pop(job_id, None)
+            request.handle.shutdown()
 
 
 def connect(address: str | None) -> str | None:

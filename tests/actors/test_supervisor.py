@@ -1,0 +1,134 @@
+"""The supervisor on a local Ray with stand-in coordinators: a frozen coordinator never stalls
+another job's supervision, and cancel and launch are one transition."""
+
+import threading
+import time
+
+import pytest
+import ray
+
+import api.supervisor as supervisor_module
+from actors import init_local_ray
+from actors.coordinator import coordinator_name
+from api.store import Store
+from api.supervisor import Supervisor
+
+SPEC = {"name": "s", "model": {"name": "llama", "flavor": "tiny"}, "training": {"steps": 100}}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    init_local_ray(num_cpus=2, dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class FakeCoordinator:
+    """Answers like a coordinator; a frozen one never answers (a SIGSTOPped process)."""
+
+    def __init__(self, frozen: bool):
+        self.frozen, self.step, self.stops, self.lines = frozen, 0, 0, []
+
+    def poll(self, since_step):
+        if self.frozen:
+            time.sleep(3600)
+        self.step += 1
+        status = {"state": "RUNNING", "message": f"at {self.step}", "step": self.step, "restarts": 0, "history": []}
+        return {"records": [{"step": self.step, "loss": 1.0 / self.step}], "status": status}
+
+    def logs(self, rank, tail, since, since_seq):
+        if self.frozen:
+            time.sleep(3600)
+        n = len(self.lines) + 1  # one more line per call; the follower's cursor says what it has
+        self.lines.append({"seq": n, "rank": 0, "step": self.step, "time": time.time(), "line": f"line {n}"})
+        return [line for line in self.lines if line["seq"] > since_seq]
+
+    def stop(self, graceful, deadline_s):
+        self.stops += 1
+
+    def stop_requests(self):
+        return self.stops
+
+
+def _started_job(store, job_id, frozen):
+    store.create_job(job_id, "s", "alice", SPEC, 100, None)
+    store.mark_started(job_id)
+    actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice").remote(frozen)
+    ray.get(actor.stop_requests.remote(), timeout=60)  # registered under its name before the supervisor looks
+    return actor
+
+
+def _in_thread(fn, timeout=60):
+    """Run ``fn``; fail if it blocks (the old supervisor waited on a frozen coordinator forever)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.update(result=fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} blocked"
+    return box.get("result")
+
+
+def test_a_frozen_coordinator_never_stalls_another_job(cluster, tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    frozen_actor = _started_job(store, "frozen-1", frozen=True)  # kept: an actor without handles ends
+    healthy = _started_job(store, "healthy-1", frozen=False)
+    sup = Supervisor(store, poll_interval_s=0.05, poll_timeout_s=1.0)
+    deadline = time.monotonic() + 60
+    while store.get_job("healthy-1")["step"] < 5 and time.monotonic() < deadline:
+        _in_thread(sup.tick)
+    assert store.get_job("healthy-1")["step"] >= 5  # followed tick after tick
+    steps = [r["step"] for r in store.metrics("healthy-1", 0)]
+    assert steps == list(range(1, len(steps) + 1))
+    lines = store.logs("healthy-1", None, None)
+    assert [line["line"] for line in lines] == [f"line {i}" for i in range(1, len(lines) + 1)]  # each line once
+    while "unhealthy" not in store.get_job("frozen-1")["message"] and time.monotonic() < deadline:
+        _in_thread(sup.tick)
+        time.sleep(0.05)
+    frozen = store.get_job("frozen-1")
+    assert frozen["state"] == "QUEUED", frozen  # nothing decided about it: it may wake up
+    assert "unhealthy: its coordinator has not answered for 1 s" in frozen["message"]
+    _in_thread(lambda: sup.cancel(store.get_job("frozen-1")))  # the route returns at once
+    _in_thread(lambda: sup.cancel(store.get_job("healthy-1")))
+    assert ray.get(healthy.stop_requests.remote(), timeout=30) == 1
+    for actor in (frozen_actor, healthy):
+        ray.kill(actor)
+
+
+class _Recorder:
+    def __init__(self):
+        self.stops = 0
+
+    def stop(self, graceful=True, deadline_s=60.0, wait=True):
+        self.stops += 1
+
+
+def test_cancel_during_launch_is_one_transition(cluster, tmp_path, monkeypatch):
+    """A cancel that arrives while the job is being launched waits for the launch and then stops
+    the launched job; a cancel that wins the race means the job is never launched."""
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    sup = Supervisor(store)
+    handles, cancels = [], []
+
+    def start_job(spec, job_id):  # the launch, with a cancel arriving in the middle of it
+        t = threading.Thread(target=lambda: sup.cancel(store.get_job(job_id)), daemon=True)
+        t.start()
+        cancels.append(t)
+        t.join(0.5)  # the cancel must wait for the launch to finish
+        assert t.is_alive(), "cancel did not wait for the launch in progress"
+        handles.append(_Recorder())
+        return handles[-1]
+
+    monkeypatch.setattr(supervisor_module, "start_job", start_job)
+    store.create_job("race-1", "s", "alice", SPEC, 100, None)
+    sup._launch_next(store.jobs_in(("QUEUED",)))
+    cancels[0].join(30)
+    assert store.is_started("race-1") and handles[0].stops == 1  # launched, then asked to stop
+    assert store.get_job("race-1")["state"] != "CANCELLED"  # the coordinator reports the cancel itself
+
+    store.create_job("race-2", "s", "alice", SPEC, 100, None)
+    sup.cancel(store.get_job("race-2"))  # the cancel first: never launched
+    sup._last_launch = 0.0
+    sup._launch_next(store.jobs_in(("QUEUED",)))
+    assert store.get_job("race-2")["state"] == "CANCELLED" and not store.is_started("race-2")
+    assert len(handles) == 1
