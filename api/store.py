@@ -219,6 +219,15 @@ class Store:
             row = s.get(JobRow, job_id)
             return bool(row is not None and row.started)
 
+    def requeue(self, job_id: str, message: str) -> None:
+        """Back to QUEUED, not launched: its coordinator is gone but its checkpoints are not."""
+        self.set_state(job_id, "QUEUED", message)
+        with self._write, self.session() as s:
+            row = s.get(JobRow, job_id)
+            if row is not None:
+                row.started = 0
+                s.commit()
+
     def mark_started(self, job_id: str) -> None:
         with self._write, self.session() as s:
             row = s.get(JobRow, job_id)

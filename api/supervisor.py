@@ -16,7 +16,8 @@ One background thread, every ``poll_interval_s``:
 
 On start it finds the launched, unfinished jobs in the store and re-attaches to their
 coordinators by name, then back-fills the metrics that came in meanwhile (the coordinator keeps
-them in its buffer). If the coordinator is gone (the Ray cluster restarted), the job fails with
+them in its buffer). If the coordinator is gone (the Ray cluster restarted), a job with a
+checkpoint goes back to the queue and resumes from its latest one; a job without fails with
 that reason.
 """
 
@@ -120,6 +121,8 @@ class Supervisor:
             return  # give the last launch time to take its resources
         job = waiting[0]
         spec = parse_job(job["spec"])
+        if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
+            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
         r = spec.resources
         gpus = 1 if r.use_gpu is True else 0
         with self._lock:
@@ -155,8 +158,13 @@ class Supervisor:
     def _ask(self, job: dict) -> None:
         """Send one news request to the job's coordinator; never waits for the answer."""
         handle = self._handle(job["id"])
-        if handle is None:
-            self.store.set_state(job["id"], "FAILED", "coordinator lost (the Ray cluster was restarted?)")
+        if handle is None:  # the Ray cluster it ran on is gone
+            if job["checkpoints"]:
+                step = job["checkpoints"][-1]["step"]
+                self.store.requeue(job["id"], f"requeued: its coordinator is gone (the Ray cluster restarted?); it "
+                                   f"resumes from its checkpoint of step {step}")  # fmt: skip
+            else:
+                self.store.set_state(job["id"], "FAILED", "coordinator lost (the Ray cluster was restarted?)")
             return
         coordinator = handle.coordinator
         self._requests[job["id"]] = _Request(

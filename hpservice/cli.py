@@ -87,12 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         "without one, jobs read no files",
     )
     serve.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
+    serve.add_argument(
+        "--stop-ray",
+        action="store_true",
+        help="end the local Ray head a server with this --data-dir started (and the jobs on it), then exit",
+    )
     _add_service_commands(sub)
     args = parser.parse_args(argv)
 
     if args.command in _SERVICE_COMMANDS:
         return _run_service_command(args)
 
+    if args.command == "serve" and args.stop_ray:
+        from hpservice.serve import stop_ray
+
+        return stop_ray(args.data_dir)
     if args.command == "serve":
         from hpservice.serve import serve as run_server
 

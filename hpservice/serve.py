@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+
+def stop_ray(data_dir: str | None) -> int:
+    """``hpservice serve --stop-ray``: end the server's local Ray head (and every job on it)."""
+    from actors.head import stop_head
+    from api import Settings
+
+    settings = Settings()
+    if data_dir:
+        settings.data_dir = Path(data_dir).expanduser()
+    stopped = stop_head(settings.data_dir)
+    print("stopped the local Ray head" if stopped else f"no local Ray head of {settings.data_dir} is running")
+    return 0
 
 
 def serve(
@@ -17,6 +31,9 @@ def serve(
     data_roots: list[str] = (),
     docs: bool = True,
 ) -> int:
+    if not ray_address:
+        # Our own Ray head runs with Ray's token auth; Ray reads the mode once, at import.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import uvicorn
 
     from api import Settings, create_app
@@ -39,6 +56,21 @@ def serve(
     if not settings.auth_enabled:
         print(
             f"hpservice serve: no API tokens configured: open API, listening on loopback only ({host})", file=sys.stderr
+        )
+    if not settings.ray_address:
+        # Our own long-lived Ray head, so running jobs outlive a restart of this process.
+        from actors.head import ensure_head
+
+        try:
+            head = ensure_head(settings.data_dir)
+        except (RuntimeError, OSError) as e:
+            print(f"hpservice serve: cannot start the local Ray head: {e}", file=sys.stderr)
+            return 1
+        settings.ray_address, settings.dashboard_url = head["address"], head["dashboard_url"]
+        print(
+            f"hpservice serve: local Ray head {head['address']} (pid {head['pid']}, dashboard {head['dashboard_url']}); "
+            "it keeps running jobs across restarts of the server; `hpservice serve --stop-ray` ends it",
+            file=sys.stderr,
         )
     app = create_app(settings)
     redact_tokens()

@@ -1,0 +1,147 @@
+"""The local Ray head that ``hpservice serve`` keeps for itself, so running jobs outlive the API.
+
+An embedded ``ray.init()`` ends with the process that started it: restarting the server then
+loses every running job. Instead, without ``--ray-address`` the server starts a Ray head as its
+own long-lived process (``ray start --head --block`` in a new session, so it survives the
+server), records it in ``<data-dir>/ray/head.json`` (address, dashboard, PID), and on the next
+start re-attaches to it when it is still alive. ``hpservice serve --stop-ray`` ends it, by the
+recorded PID and only if that PID is still that ``ray start`` (a recycled PID is left alone).
+The head listens with Ray's token authentication (``RAY_AUTH_MODE=token``) and its dashboard on
+127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+def _state_file(data_dir: Path) -> Path:
+    return Path(data_dir) / "ray" / "head.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def _is_our_head(pid: int) -> bool:
+    """Whether ``pid`` is alive and is a ``ray start --head`` (not a recycled PID)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True  # no /proc (macOS): trust the recorded PID
+    return any(part.endswith(b"ray") for part in cmdline) and b"start" in cmdline and b"--head" in cmdline
+
+
+def running_head(data_dir: Path) -> dict | None:
+    """The recorded head, if it is still alive and listening."""
+    try:
+        head = json.loads(_state_file(data_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    host, _, port = head.get("address", "").rpartition(":")
+    if not _is_our_head(int(head.get("pid", 0))) or not port.isdigit() or not _listening(host, int(port)):
+        return None
+    return head
+
+
+def ensure_head(data_dir: Path, num_cpus: int | None = None) -> dict:
+    """The server's Ray head: the recorded one if alive, else a new one. Returns
+    ``{"address", "dashboard_url", "pid"}``."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # set before ray is imported: Ray reads it once
+    head = running_head(data_dir)
+    if head is not None:
+        return head
+    port, dashboard_port = _free_port(), _free_port()
+    state = _state_file(data_dir)
+    state.parent.mkdir(parents=True, exist_ok=True)
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    cmd = [
+        ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={num_cpus or os.cpu_count() or 1}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--disable-usage-stats", "--block",
+    ]  # fmt: skip
+    log = open(state.parent / "head.log", "ab")  # noqa: SIM115 - the head's own output, for as long as it runs
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: it outlives the server
+        env={**os.environ, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]},
+    )
+    log.close()
+    host = _node_ip()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _listening(host, port):
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start --head exited with {proc.returncode}; see {state.parent / 'head.log'}")
+        if time.monotonic() > deadline:
+            _kill_group(proc.pid)
+            raise RuntimeError(f"the Ray head did not listen on {host}:{port} within {STARTUP_TIMEOUT_S:g} s")
+        time.sleep(0.2)
+    head = {"address": f"{host}:{port}", "dashboard_url": f"http://127.0.0.1:{dashboard_port}", "pid": proc.pid}
+    tmp = state.with_suffix(".tmp")
+    tmp.write_text(json.dumps(head))
+    tmp.replace(state)
+    return head
+
+
+def stop_head(data_dir: Path, timeout_s: float = 60.0) -> bool:
+    """End the recorded head (and the Ray processes it started); False if none was running."""
+    state = _state_file(data_dir)
+    try:
+        head = json.loads(state.read_text())
+    except (OSError, ValueError):
+        return False
+    pid = int(head.get("pid", 0))
+    if not _is_our_head(pid):
+        state.unlink(missing_ok=True)
+        return False
+    _kill_group(pid, timeout_s)
+    state.unlink(missing_ok=True)
+    return True
+
+
+def _kill_group(pid: int, timeout_s: float = 60.0) -> None:
+    """SIGTERM to the head's process group (``ray start --block`` stops its daemons on it), then
+    SIGKILL to whatever is left of the group after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _node_ip() -> str:
+    """The address Ray gives this node (its own choice, even when asked for 127.0.0.1)."""
+    import ray._private.services as services
+
+    return services.get_node_ip_address()
