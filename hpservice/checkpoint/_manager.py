@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpservice.dtensor import DTensor
 
@@ -58,6 +59,28 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost error of ``e`` in one line: through ``__cause__`` / ``__context__`` and the
+    per-rank failures torch.distributed.checkpoint collects."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            e = inner[0] if isinstance(inner, tuple) else inner
+            continue
+        nxt = e.__cause__ or e.__context__
+        if nxt is None:
+            break
+        e = nxt
+    if isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        return f"{type(e).__name__}: [Errno {e.errno}] {e.strerror}{where}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 class CheckpointInfo(dict):
@@ -177,15 +200,27 @@ class CheckpointManager:
         extra = dict(extra or {})
         if self.async_save:
             staged = _stage(state)
-            self._pending = self._executor.submit(self._write_and_commit, step, staged, extra, metrics or {})
+            self._pending = self._executor.submit(self._write_and_commit_or_explain, step, staged, extra, metrics or {})
         else:
-            self._write_and_commit(step, state, extra, metrics or {})
+            self._write_and_commit_or_explain(step, state, extra, metrics or {})
 
     def wait(self) -> None:
         """Wait for an async save in flight; raise its error if it failed."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def _write_and_commit_or_explain(self, step: int, state: dict, extra: dict, metrics: dict) -> None:
+        """The write, with a failure named by its root cause (a full disk, a read-only volume)
+        in one line instead of torch.distributed.checkpoint's per-rank traceback dump."""
+        try:
+            self._write_and_commit(step, state, extra, metrics)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+            raise CheckpointError(
+                f"checkpoint of step {step} could not be written to {self.root}: {_root_cause(e)}"
+            ) from e
 
     def close(self) -> None:
         try:

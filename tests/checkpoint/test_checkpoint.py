@@ -189,7 +189,7 @@ def _async_error_surfaces(root):
     manager = CheckpointManager(root, async_save=True)
     manager._before_commit = lambda: (_ for _ in ()).throw(OSError("disk full"))
     manager.save(1, model)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="checkpoint of step 1 could not be written to .*: OSError: disk full"):
         manager.wait()
     manager._before_commit = None
     manager.save(2, model)
@@ -200,6 +200,36 @@ def _async_error_surfaces(root):
 
 def test_async_save_errors_surface(ranks, tmp_path):
     ranks(2).run(_async_error_surfaces, str(tmp_path))
+
+
+def _disk_full_mid_write(root):
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model = _model((2,))
+    manager = CheckpointManager(root)
+    manager.save(1, model)
+    original = FileSystemWriter.write_data
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(root) / "step-00000002.tmp" / "__0_0.distcp"))
+
+    FileSystemWriter.write_data = full
+    try:
+        with pytest.raises(CheckpointError) as info:
+            manager.save(2, model)
+    finally:
+        FileSystemWriter.write_data = original
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"checkpoint of step 2 could not be written to {root}")
+    assert "OSError: [Errno 28] No space left on device" in message, message
+    assert manager.latest()["step"] == 1  # the failed one was never committed
+    return True
+
+
+def test_a_full_disk_is_named_as_the_reason(ranks, tmp_path):
+    ranks(2).run(_disk_full_mid_write, str(tmp_path))
 
 
 def _export_and_import(root, out):
