@@ -189,7 +189,7 @@ def _async_error_surfaces(root):
     manager = CheckpointManager(root, async_save=True)
     manager._before_commit = lambda: (_ for _ in ()).throw(OSError("disk full"))
     manager.save(1, model)
-    with pytest.raises(CheckpointError, match="checkpoint of step 1 could not be written to .*: OSError: disk full"):
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 1 could not be written to .*: OSError: disk full"):
         manager.wait()
     manager._before_commit = None
     manager.save(2, model)
