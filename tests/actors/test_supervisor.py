@@ -132,3 +132,25 @@ def test_cancel_during_launch_is_one_transition(cluster, tmp_path, monkeypatch):
     sup._launch_next(store.jobs_in(("QUEUED",)))
     assert store.get_job("race-2")["state"] == "CANCELLED" and not store.is_started("race-2")
     assert len(handles) == 1
+
+
+def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_path, monkeypatch):
+    """The coordinator is gone (the cluster was lost): a job with a checkpoint is requeued and
+    launched again resuming from its latest one; a job without one fails with the reason."""
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    for job_id in ("kept-1", "lost-1"):
+        store.create_job(job_id, "s", "alice", SPEC, 100, None)
+        store.mark_started(job_id)
+    store.update_status("kept-1", {"state": "RUNNING", "checkpoints": [{"step": 40, "path": "/ckpt/step-40"}]})
+    launched = []
+    monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id: launched.append((job_id, spec)) or _Recorder())
+    sup = Supervisor(store)
+    _in_thread(sup.tick)
+    kept, lost = store.get_job("kept-1"), store.get_job("lost-1")
+    assert lost["state"] == "FAILED" and "coordinator lost" in lost["message"]
+    assert kept["state"] == "QUEUED" and "resumes from its checkpoint of step 40" in kept["message"]
+    assert not store.is_started("kept-1")
+    sup._last_launch = 0.0
+    _in_thread(sup.tick)
+    assert [job_id for job_id, _ in launched] == ["kept-1"]
+    assert launched[0][1].checkpoint.resume_from == "latest" and store.is_started("kept-1")
