@@ -44,7 +44,8 @@ def test_hung_collective_times_out():
         start = time.monotonic()
         with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 3s"):
             pool.run(_rank0_hangs, timeout=3)
-        assert time.monotonic() - start < 30
+        # The pool's own timeout ended it, not the 300 s collective timeout (a wide margin on purpose).
+        assert time.monotonic() - start < 150
 
 
 def test_free_port_is_loopback_and_bindable():
