@@ -14,8 +14,8 @@ answers with 422. The rules:
   storage prefix of its own.
 - **Inputs.** ``data.path`` must lie under one of the operator's data roots
   (``Settings.data_roots``, ``--data-root``); with none configured, the service reads no files.
-  ``checkpoint.resume_from`` may name a checkpoint in one of the owner's own job directories (an
-  admin may name any owner's), or one under a data root.
+  ``checkpoint.resume_from`` and ``model.init_from`` may name a checkpoint in one of the owner's
+  own job directories (an admin may name any owner's), or one under a data root.
 """
 
 from __future__ import annotations
@@ -67,9 +67,12 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     if data.path is not None:
         path = _input(data.path, "data.path", home, settings, errors)
         data = data.model_copy(update={"path": str(path)})
+    if model.init_from is not None:  # a pretrained checkpoint: an input like resume_from
+        checked_init = _checkpoint_input(model.init_from, principal, home, settings, errors, "model.init_from")
+        model = model.model_copy(update={"init_from": checked_init})
     resume = spec.checkpoint.resume_from
     if resume not in (None, "latest"):
-        resume = _checkpoint_input(resume, principal, home, settings, errors)
+        resume = _checkpoint_input(resume, principal, home, settings, errors, "checkpoint.resume_from")
     if errors:
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
         raise SpecError(f"job spec: not allowed on this server\n{lines}", errors)
@@ -141,9 +144,11 @@ def _input(value: str, field: str, home: Path, settings: Settings, errors: list)
     return path
 
 
-def _checkpoint_input(value: str, principal: Principal, home: Path, settings: Settings, errors: list) -> str | None:
+def _checkpoint_input(
+    value: str, principal: Principal, home: Path, settings: Settings, errors: list, field: str
+) -> str | None:
     if _is_url(value):
-        errors.append(("checkpoint.resume_from", f"{value!r}: URLs are not readable on this server"))
+        errors.append((field, f"{value!r}: URLs are not readable on this server"))
         return None
     path = _real(home / value)
     jobs = home.parent.parent  # <data-dir>/jobs
@@ -153,9 +158,6 @@ def _checkpoint_input(value: str, principal: Principal, home: Path, settings: Se
     if any(_within(path, _real(r)) for r in settings.data_roots):
         return str(path)
     errors.append(
-        (
-            "checkpoint.resume_from",
-            f"{value!r} is neither a checkpoint of {principal.owner}'s own jobs ({mine}) nor under an allowed data root",
-        )
+        (field, f"{value!r} is neither a checkpoint of {principal.owner}'s own jobs ({mine}) nor under an allowed data root")
     )
     return None

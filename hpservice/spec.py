@@ -114,6 +114,19 @@ class ModelSpec(_Section):
         description=f"config fields to change, or factory kwargs (at most {MAX_OVERRIDES_BYTES} bytes as JSON)",
     )
 
+    init_from: str | None = Field(
+        None,
+        max_length=_MAX_PATH,
+        description="a Hugging Face checkpoint directory (config.json + safetensors): the llama takes its config "
+        "and starts from its weights (a fresh optimizer; resume_from continues a run of ours instead)",
+    )
+
+    @model_validator(mode="after")
+    def _init_from_llama(self):
+        if self.init_from is not None and self.name != "llama":
+            raise ValueError(f"model.init_from imports Hugging Face Llama checkpoints into the built-in llama, not {self.name!r}")
+        return self
+
     @field_validator("overrides")
     @classmethod
     def _overrides_bounded(cls, v: dict) -> dict:

@@ -93,10 +93,17 @@ def list_flavors(name: str) -> list[str]:
     return list(_builtin(name).flavors)
 
 
-def model_config(name: str, flavor: str | None = None, overrides: dict | None = None):
-    """The config dataclass of a built-in model: the flavor's config (default ``"tiny"``) with
-    ``overrides`` applied. Unknown fields and wrongly typed values raise ``ValueError``."""
+def model_config(name: str, flavor: str | None = None, overrides: dict | None = None, init_from: str | None = None):
+    """The config dataclass of a built-in model: the flavor's config (default ``"tiny"``), or with
+    ``init_from`` the Hugging Face checkpoint's (``hf.py``; llama only), with ``overrides``
+    applied. Unknown fields and wrongly typed values raise ``ValueError``."""
     entry = _builtin(name)
+    if init_from is not None:
+        if name != "llama":
+            raise ValueError(f"init_from: only the built-in llama imports Hugging Face checkpoints, not {name!r}")
+        from .hf import llama_config_from_hf
+
+        return _apply_overrides(llama_config_from_hf(init_from), overrides or {})
     flavor = _DEFAULT_FLAVOR if flavor is None else flavor
     if flavor not in entry.flavors:
         raise ValueError(f"unknown flavor {flavor!r} for model {name!r}; allowed flavors: {', '.join(entry.flavors)}")
@@ -104,7 +111,12 @@ def model_config(name: str, flavor: str | None = None, overrides: dict | None = 
 
 
 def build_model(
-    name: str, flavor: str | None = None, overrides: dict | None = None, *, device: str | torch.device | None = None
+    name: str,
+    flavor: str | None = None,
+    overrides: dict | None = None,
+    *,
+    device: str | torch.device | None = None,
+    init_from: str | None = None,
 ) -> nn.Module:
     """Build a model by name.
 
@@ -113,6 +125,8 @@ def build_model(
     - ``overrides``: config fields to replace (built-in) or keyword arguments of the factory.
     - ``device``: build under ``torch.device(device)``; ``"meta"`` allocates nothing (then
       ``to_empty(device=...)`` and ``init_weights()``). None: the current default device.
+    - ``init_from``: a Hugging Face checkpoint directory whose config the llama takes (its weights:
+      ``hf.load_hf_weights`` after the model is laid out).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"model name must be a non-empty string, got {name!r}")
@@ -127,7 +141,7 @@ def build_model(
         if not isinstance(model, nn.Module):
             raise TypeError(f"model factory {name!r} must return a torch.nn.Module, got {type(model).__name__}")
         return model
-    cfg = model_config(name, flavor, overrides)
+    cfg = model_config(name, flavor, overrides, init_from)
     with _device_context(device):
         return _BUILTINS[name].model_cls(cfg)
 

@@ -72,6 +72,9 @@ class LlamaConfig:
     """Longest sequence the model accepts (length of the precomputed rotary table)."""
     tie_embeddings: bool = False
     """Share one weight between the token embedding and the output head."""
+    hidden_dim: int | None = None
+    """The SwiGLU hidden size itself (Hugging Face's ``intermediate_size``); None: derived from
+    dim, ffn_dim_multiplier and multiple_of as in Meta's reference."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -88,6 +91,8 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig.dim // n_heads (head_dim = {self.head_dim}) must be even for rotary embeddings"
             )
+        if self.hidden_dim is not None and (not isinstance(self.hidden_dim, int) or self.hidden_dim <= 0):
+            raise ValueError(f"LlamaConfig.hidden_dim must be a positive int or None, got {self.hidden_dim!r}")
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
             raise ValueError(f"LlamaConfig.ffn_dim_multiplier must be positive or None, got {self.ffn_dim_multiplier}")
         if self.norm_eps <= 0:
@@ -101,7 +106,10 @@ class LlamaConfig:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size, as in Meta's reference: 2/3 of 4*dim, scaled, rounded up to multiple_of."""
+        """SwiGLU hidden size: ``hidden_dim`` when set, else as in Meta's reference (2/3 of 4*dim,
+        scaled, rounded up to multiple_of)."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

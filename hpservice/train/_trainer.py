@@ -32,6 +32,7 @@ from hpservice.dtensor import random as dtensor_random
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
+from hpservice.models.hf import load_hf_weights
 from hpservice.models.llama import Llama
 from hpservice.parallel import apply_llama_tp, vocab_parallel_cross_entropy
 from hpservice.spec import JobSpec, new_run_id
@@ -209,7 +210,7 @@ class Trainer:
         # Built on the meta device, laid out (tp, then fully_shard over the dp dims), then each rank
         # allocates and initialises only its own pieces: the full model never exists on one rank.
         m = spec.model
-        self.model = build_model(m.name, m.flavor, m.overrides, device="meta")
+        self.model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
         if self.tp:
             apply_tp(self.model, self.mesh["tp"], spec)
         self.fsdp = self.dp_mesh is not None
@@ -223,11 +224,13 @@ class Trainer:
                 )
             self.model.to_empty(device=self.device)
         init_weights(self.model, self.mesh, spec.training.seed)
+        if m.init_from is not None:  # pretrained weights: each rank reads its own slices
+            load_hf_weights(self.model, m.init_from)
 
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         if m.name in list_models():
-            config = model_config(m.name, m.flavor, m.overrides)
+            config = model_config(m.name, m.flavor, m.overrides, m.init_from)
             vocab = spec.data.vocab_size or config.vocab_size
             self.flops_per_token = flops_per_token(config, spec.data.seq_len)
         else:  # a custom factory: the 6N estimate

@@ -33,11 +33,12 @@ def _spec(**sections):
 
 
 def _rejected(c, spec, field, fragment, token=ALICE):
+    before = c.get("/v1/jobs", headers=_auth(ADMIN)).json()["items"]
     r = c.post("/v1/jobs", json=spec, headers=_auth(token))
     assert r.status_code == 422, r.text
     details = r.json()["error"]["details"]
     assert any(d["path"] == field and fragment in d["message"] for d in details), details
-    assert c.get("/v1/jobs", headers=_auth(ADMIN)).json()["items"] == []  # nothing stored
+    assert c.get("/v1/jobs", headers=_auth(ADMIN)).json()["items"] == before  # nothing stored
 
 
 # ---- code ---------------------------------------------------------------------------------------
@@ -173,3 +174,15 @@ def test_the_operator_can_close_the_docs(tmp_path):
     with _client(tmp_path, docs=False) as c:
         assert c.get("/docs").status_code == 404 and c.get("/openapi.json").status_code == 404
         assert c.get("/healthz").status_code == 200
+
+
+def test_init_from_reads_only_the_owners_jobs_or_a_data_root(tmp_path):
+    root = tmp_path / "models"
+    (root / "llama-hf").mkdir(parents=True)
+    with _client(tmp_path, data_roots=(root,)) as c:
+        bobs = c.post("/v1/jobs", json=_spec(), headers=_auth(BOB)).json()
+        theirs = f"{bobs['spec']['metrics']['dir']}/hf"
+        _rejected(c, _spec(model={"init_from": theirs}), "model.init_from", "neither a checkpoint of alice's own jobs")
+        _rejected(c, _spec(model={"init_from": "/etc"}), "model.init_from", "nor under an allowed data root")
+        ok = c.post("/v1/jobs", json=_spec(model={"init_from": str(root / "llama-hf")}), headers=_auth(ALICE))
+        assert ok.status_code == 201 and ok.json()["spec"]["model"]["init_from"] == os.path.realpath(root / "llama-hf")

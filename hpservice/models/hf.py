@@ -1,0 +1,194 @@
+"""Hugging Face Llama checkpoints into our Llama, each rank reading only its own slices.
+
+A checkpoint directory holds ``config.json`` and ``model.safetensors``, or sharded
+``model-0000x-of-0000y.safetensors`` files listed in ``model.safetensors.index.json``.
+
+- ``llama_config_from_hf(dir)`` maps the config (``LlamaForCausalLM``: hidden size, layers,
+  heads, KV heads, intermediate size, rope theta, RMS eps, tied embeddings, vocab) to a
+  ``LlamaConfig``. Anything we would compute differently is refused with the key and the value
+  (rope scaling, attention or MLP biases, a head_dim other than hidden / heads, an activation
+  other than SiLU), never approximated.
+- ``load_hf_weights(model, dir)`` fills an already built (and possibly sharded) ``Llama`` in
+  place. For each parameter, a DTensor (FSDP, HSDP, TP and their compositions) or a plain
+  tensor, the rank computes the global rectangle its local piece covers and reads only that from
+  the safetensors file (``safe_open(...).get_slice``). The full model never exists on one rank.
+
+Rotary layout: our attention rotates interleaved channel pairs ``(2i, 2i+1)`` (Meta's layout).
+Hugging Face's ``q_proj`` / ``k_proj`` rows are permuted for its ``rotate_half``: within each
+head, row ``c * head_dim/2 + i`` of theirs is our row ``2i + c``. Our rows of a query/key weight
+are read head by head, from the heads the local rows touch, and reordered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .llama import Llama, LlamaConfig
+
+__all__ = ["HFFormatError", "hf_name", "llama_config_from_hf", "load_hf_weights"]
+
+_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face checkpoint we cannot read exactly: the file, the key, what we found."""
+
+
+def _read_config(path: Path) -> dict:
+    config = Path(path) / "config.json"
+    try:
+        return json.loads(config.read_text())
+    except OSError as e:
+        raise HFFormatError(f"{config}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise HFFormatError(f"{config}: not valid JSON ({e})") from None
+
+
+def llama_config_from_hf(path: str | Path, **overrides) -> LlamaConfig:
+    """Our ``LlamaConfig`` for the checkpoint at ``path``; ``overrides`` replace fields (e.g.
+    ``max_seq_len`` shorter than the checkpoint's)."""
+    cfg = _read_config(Path(path))
+    where = Path(path) / "config.json"
+    archs = cfg.get("architectures") or [cfg.get("model_type")]
+    if not any(a in _ARCHITECTURES or a == "llama" for a in archs):
+        raise HFFormatError(f"{where}: architectures {archs} are not supported (supported: {', '.join(_ARCHITECTURES)})")
+
+    def refuse(key: str, allowed, why: str):
+        value = cfg.get(key)
+        if value not in allowed:
+            raise HFFormatError(f"{where}: {key} = {value!r} is not supported: {why}")
+
+    refuse("rope_scaling", (None,), "only plain rope_theta frequencies are implemented")
+    refuse("attention_bias", (None, False), "our attention projections have no bias")
+    refuse("mlp_bias", (None, False), "our MLP projections have no bias")
+    refuse("hidden_act", (None, "silu"), "our MLP is SwiGLU with SiLU")
+    heads = cfg["num_attention_heads"]
+    if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
+        raise HFFormatError(f"{where}: head_dim = {cfg['head_dim']} differs from hidden_size / num_attention_heads")
+    fields = {
+        "dim": cfg["hidden_size"],
+        "n_layers": cfg["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": cfg.get("num_key_value_heads") or heads,
+        "vocab_size": cfg["vocab_size"],
+        "hidden_dim": cfg["intermediate_size"],
+        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(cfg.get("rope_theta", 10000.0)),
+        "max_seq_len": cfg.get("max_position_embeddings", 2048),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+    }
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face tensor name of one of our Llama's parameters."""
+    parts = name.split(".")
+    if name == "tok_embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if parts[0] == "layers":
+        i, rest = parts[1], ".".join(parts[2:])
+        table = {
+            "attention.wq.weight": "self_attn.q_proj.weight",
+            "attention.wk.weight": "self_attn.k_proj.weight",
+            "attention.wv.weight": "self_attn.v_proj.weight",
+            "attention.wo.weight": "self_attn.o_proj.weight",
+            "feed_forward.w1.weight": "mlp.gate_proj.weight",
+            "feed_forward.w3.weight": "mlp.up_proj.weight",
+            "feed_forward.w2.weight": "mlp.down_proj.weight",
+            "attention_norm.weight": "input_layernorm.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+        }
+        if rest in table:
+            return f"model.layers.{i}.{table[rest]}"
+    raise HFFormatError(f"no Hugging Face tensor for our parameter {name!r}")
+
+
+class _SafetensorsDir:
+    """Tensor name -> file of a (sharded) safetensors checkpoint, opened lazily."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path, self._open, self._files = path, safe_open, {}
+        index = path / "model.safetensors.index.json"
+        single = path / "model.safetensors"
+        if index.is_file():
+            try:
+                self.where = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+            except (ValueError, KeyError) as e:
+                raise HFFormatError(f"{index}: not a safetensors index ({e})") from None
+        elif single.is_file():
+            names = self._file(single).keys()  # safetensors' handle, not a dict
+            self.where = dict.fromkeys(names, single)
+        else:
+            raise HFFormatError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+    def _file(self, f: Path):
+        if f not in self._files:
+            try:
+                self._files[f] = self._open(str(f), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise HFFormatError(f"{f}: cannot read safetensors ({e})") from None
+        return self._files[f]
+
+    def slice(self, name: str):
+        if name not in self.where:
+            raise HFFormatError(f"{self.path}: tensor {name!r} is missing")
+        return self._file(self.where[name]).get_slice(name)
+
+
+def _region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(global offset, local shape, local tensor to fill) of a plain or DTensor parameter."""
+    from hpservice.dtensor import DTensor
+
+    if isinstance(param, DTensor):
+        spec = param._spec
+        return spec.local_offset, spec.local_shape, param.to_local()
+    return (0,) * param.ndim, tuple(param.shape), param.data
+
+
+def _rotary_rows(offset: int, count: int, head_dim: int) -> tuple[int, int, torch.Tensor]:
+    """For our rows [offset, offset + count) of a q/k weight: the head-aligned HF row range to
+    read, and for each of our rows its index inside that range."""
+    first, last = offset // head_dim, math.ceil((offset + count) / head_dim)
+    ours = torch.arange(offset, offset + count)
+    head, within = ours // head_dim, ours % head_dim
+    theirs = head * head_dim + (within % 2) * (head_dim // 2) + within // 2
+    return first * head_dim, last * head_dim, theirs - first * head_dim
+
+
+@torch.no_grad()
+def load_hf_weights(model: Llama, path: str | Path) -> None:
+    """Fill ``model`` (built from ``llama_config_from_hf(path)``, sharded or not) with the
+    checkpoint's weights, each rank reading only what its local pieces need."""
+    path = Path(path)
+    files = _SafetensorsDir(path)
+    head_dim = model.cfg.head_dim
+    for name, param in model.named_parameters():  # a tied head appears once, as the embedding
+        key = hf_name(name)
+        if key == "model.embed_tokens.weight" and key not in files.where and model.cfg.tie_embeddings:
+            key = "lm_head.weight"
+        source = files.slice(key)
+        shape = tuple(source.get_shape())
+        if shape != tuple(param.shape):
+            raise HFFormatError(f"{path}: tensor {key} has shape {list(shape)}, our {name} needs {list(param.shape)}")
+        offset, local_shape, local = _region(param)
+        if local.numel() == 0:
+            continue
+        cols = [slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True)]
+        if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+            lo, hi, index = _rotary_rows(offset[0], local_shape[0], head_dim)
+            block = source[(slice(lo, hi), *cols)]
+            value = block[index]
+        else:
+            value = source[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
+        local.copy_(value.to(local.dtype))

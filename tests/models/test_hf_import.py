@@ -1,0 +1,168 @@
+"""Hugging Face Llama checkpoints imported into our Llama, checked against transformers itself:
+logits on the same tokens equal, in one process, under fully_shard and under tensor parallelism,
+each rank reading only its own slices; and clear errors for what we cannot import exactly."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpservice.models.hf import HFFormatError, llama_config_from_hf, load_hf_weights
+from hpservice.models.llama import Llama
+
+transformers = pytest.importorskip("transformers")  # a dev dependency: present in .ci/run
+
+TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _hf_checkpoint(path, *, heads=6, kv_heads=3, tied=False, **extra):
+    """A small random Llama saved by transformers (uneven sizes, several safetensors shards)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=72, intermediate_size=200, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=100, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=tied, **extra,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norm weights
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, max_shard_size="40KB")
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    return logits
+
+
+def _ours(path, device="cpu"):
+    with torch.device(device):
+        return Llama(llama_config_from_hf(path))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_one_process_equals_transformers(tmp_path, tied):
+    expected = _hf_checkpoint(tmp_path, tied=tied)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1  # the sharded format, with its index
+    model = _ours(tmp_path)
+    load_hf_weights(model, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), expected, rtol=0, atol=1e-5)
+
+
+def _fsdp_import(path, expected):
+    from hpservice.fsdp import fully_shard
+    from hpservice.models import hf
+
+    mesh = __import__("hpservice.dtensor", fromlist=["init_device_mesh"]).init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _ours(path, device="meta")  # the full model never exists on a rank
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.init_weights()  # the rotary table on the device (parameters are overwritten below)
+    read = []
+    original = hf._SafetensorsDir.slice
+
+    def counting(self, name):
+        sl = original(self, name)
+
+        class Counted:
+            def get_shape(_):
+                return sl.get_shape()
+
+            def __getitem__(_, index):
+                value = sl[index]
+                read.append(value.numel())
+                return value
+
+        return Counted()
+
+    hf._SafetensorsDir.slice = counting
+    try:
+        load_hf_weights(model, path)
+    finally:
+        hf._SafetensorsDir.slice = original
+    total = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        logits = model(TOKENS)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    return sum(read) / total
+
+
+def test_fully_shard_reads_only_each_ranks_slices_and_equals_transformers(ranks, tmp_path):
+    expected = _hf_checkpoint(tmp_path)
+    fractions = ranks(2).run(_fsdp_import, str(tmp_path), expected)
+    assert all(f < 0.6 for f in fractions), fractions  # about half each (query/key rows head-aligned)
+
+
+def _tp_import(path, expected):
+    from hpservice.dtensor import init_device_mesh
+    from hpservice.parallel import apply_llama_tp
+
+    model = _ours(path)
+    apply_llama_tp(model, init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)))
+    load_hf_weights(model, path)
+    with torch.no_grad():
+        logits = model(TOKENS).full_tensor()
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    return True
+
+
+def test_tensor_parallel_import_equals_transformers(ranks, tmp_path):
+    expected = _hf_checkpoint(tmp_path, heads=4, kv_heads=2)  # head counts the tp degree divides
+    ranks(2).run(_tp_import, str(tmp_path), expected)
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"attention_bias": True}, "attention_bias = True is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    ],
+)
+def test_configs_we_cannot_compute_exactly_are_refused(tmp_path, extra, fragment):
+    _hf_checkpoint(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **extra}))
+    with pytest.raises(HFFormatError, match=r"config\.json") as info:
+        llama_config_from_hf(tmp_path)
+    assert fragment in str(info.value)
+
+
+def test_shape_mismatches_and_missing_files_name_the_tensor(tmp_path):
+    _hf_checkpoint(tmp_path)
+    cfg = llama_config_from_hf(tmp_path, hidden_dim=208)
+    with pytest.raises(HFFormatError, match=r"mlp.gate_proj.weight has shape \[200, 72\], our .*w1.weight needs \[208, 72\]"):
+        load_hf_weights(Llama(cfg), tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    with pytest.raises(HFFormatError, match=r"no model\.safetensors"):
+        load_hf_weights(_ours(tmp_path), tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(HFFormatError, match="not valid JSON"):
+        llama_config_from_hf(tmp_path)
+
+
+def _train_one_step(spec):
+    from tests._jobs import train
+
+    return train(spec)[0]["loss"]
+
+
+def test_a_job_starts_from_the_imported_weights(ranks, tmp_path):
+    """`model.init_from` in a job spec, on 2 FSDP ranks: the first step's loss is transformers'
+    loss on that step's batch (the model starts from the checkpoint, not from random weights)."""
+    import torch.nn.functional as F
+
+    from hpservice.data import build_source
+    from tests._jobs import tiny_llama_job
+
+    hf_dir = tmp_path / "hf"
+    _hf_checkpoint(hf_dir)
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    inputs, targets = build_source("synthetic", vocab_size=100, seed=0).batch(0, 0, 1, 8, 32)
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
+    spec = tiny_llama_job(tmp_path / "run", model={"name": "llama", "init_from": str(hf_dir)}, training={"steps": 1})
+    losses = ranks(2).run(_train_one_step, spec)
+    assert losses[0] == pytest.approx(expected, abs=1e-5), (losses, expected)
