@@ -59,9 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("job")
     validate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
     sub.add_parser("schema", help="print the job spec's JSON Schema (for editor completion)")
-    export = sub.add_parser("export", help="write a sharded checkpoint's full model weights to a .safetensors file")
+    export = sub.add_parser(
+        "export",
+        help="write a sharded checkpoint's full model weights: one .safetensors file, or a Hugging Face directory",
+    )
     export.add_argument("checkpoint", help="a committed checkpoint directory (step-N)")
-    export.add_argument("out", help="output .safetensors path")
+    export.add_argument("out", help="output .safetensors path, or directory with --format hf")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="hf: config.json + sharded safetensors + index, for transformers' from_pretrained (llama)",
+    )
+    export.add_argument("--max-shard-mb", type=int, default=2048, help="hf: largest safetensors file (MiB)")
     serve = sub.add_parser("serve", help="run the REST control plane (FastAPI) with a local Ray or --ray-address")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs API tokens)")
     serve.add_argument("--port", type=int, default=8000)
@@ -156,10 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "export":
         from hpservice.checkpoint import CheckpointError, export_safetensors
+        from hpservice.models.hf import HFFormatError, export_checkpoint_hf
 
         try:
+            if args.format == "hf":
+                done = export_checkpoint_hf(args.checkpoint, args.out, max_shard_bytes=args.max_shard_mb << 20)
+                print(f"wrote {done['tensors']} tensors in {len(done['files'])} files and config.json to {args.out}")
+                return 0
             shapes = export_safetensors(args.checkpoint, args.out)
-        except (CheckpointError, FileNotFoundError) as e:
+        except (CheckpointError, HFFormatError, FileNotFoundError) as e:
             print(f"hpservice export: {e}", file=sys.stderr)
             return 1
         print(f"wrote {len(shapes)} tensors to {args.out}")

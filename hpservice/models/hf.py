@@ -29,7 +29,7 @@ import torch
 
 from .llama import Llama, LlamaConfig
 
-__all__ = ["HFFormatError", "hf_name", "llama_config_from_hf", "load_hf_weights"]
+__all__ = ["HFFormatError", "export_checkpoint_hf", "export_hf", "hf_config", "hf_name", "llama_config_from_hf", "load_hf_weights"]
 
 _ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -192,3 +192,148 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
         else:
             value = source[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
         local.copy_(value.to(local.dtype))
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+
+def hf_config(cfg: LlamaConfig) -> dict:
+    """The ``config.json`` transformers needs for our Llama of config ``cfg``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def _to_hf_layout(name: str, value: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Our interleaved query/key rows -> Hugging Face's rotate_half rows (the inverse of the load)."""
+    if not name.endswith(("attention.wq.weight", "attention.wk.weight")):
+        return value
+    rows, cols = value.shape
+    return value.view(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_shard_bytes: int = 2 << 30) -> dict:
+    """Write a committed checkpoint of our Llama as a Hugging Face checkpoint directory:
+    ``config.json``, ``model-0000x-of-0000y.safetensors`` and their index, loadable by
+    ``transformers.AutoModelForCausalLM.from_pretrained(out)``.
+
+    Streams: the tensors are read from the sharded checkpoint and written one shard file at a
+    time (at most ``max_shard_bytes`` of tensors in memory, or one tensor if larger). Writes into
+    ``out`` + ``.tmp`` and renames at the end: a failed export leaves nothing at ``out``.
+    Returns ``{"files": [...], "tensors": N}``."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hpservice.checkpoint._manager import verify_files
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    verify_files(checkpoint)
+    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    ours = {}
+    for key, md in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if path[0] == "model" and hasattr(md, "size"):
+            ours[path[1]] = md
+    with torch.device("meta"):
+        wanted = {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}  # a tied head appears once
+    problems = [f"{n} is missing" for n in wanted if n not in ours] + [
+        f"{n} has shape {list(ours[n].size)}, the config needs {list(shape)}"
+        for n, shape in wanted.items()
+        if n in ours and tuple(ours[n].size) != shape
+    ]
+    if problems:
+        raise HFFormatError(f"{checkpoint}: does not hold the model of this config: {'; '.join(problems)}")
+    names = list(wanted)
+    expected = {hf_name(n) for n in names}
+    groups, size = [[]], 0
+    for n in names:
+        md = ours[n]
+        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += nbytes
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        files = _write_shards(checkpoint, tmp, groups, ours, cfg)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    weight_map = {}
+    for fname, tensor_names in files:
+        weight_map.update(dict.fromkeys(tensor_names, fname))
+    if set(weight_map) != expected:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise HFFormatError(f"{checkpoint}: exported tensors {sorted(set(weight_map) ^ expected)} do not match the model")
+    total = sum(math.prod(ours[n].size) * ours[n].properties.dtype.itemsize for n in names)
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return {"files": [f for f, _ in files], "tensors": len(weight_map)}
+
+
+def _write_shards(checkpoint: Path, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig) -> list:
+    """One safetensors file per group of tensors, read from the checkpoint group by group."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from hpservice.checkpoint._manager import single_process_quiet
+
+    files = []
+    for i, group in enumerate(groups, start=1):
+        targets = {n: torch.empty(tuple(ours[n].size), dtype=ours[n].properties.dtype) for n in group}
+        with single_process_quiet(True):
+            dcp.load(
+                {"model": targets},
+                checkpoint_id=str(checkpoint),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=True,
+            )
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {hf_name(n): _to_hf_layout(n, t, cfg.head_dim).contiguous() for n, t in targets.items()}
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        files.append((fname, list(tensors)))
+        del targets, tensors
+    return files
+
+
+def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30) -> dict:
+    """``export_hf`` with the model config the trainer recorded in the checkpoint (a llama's)."""
+    extra = Path(checkpoint) / "extra" / "rank-0.pt"
+    try:
+        recorded = torch.load(extra, weights_only=True).get("model")
+    except (OSError, RuntimeError) as e:
+        raise HFFormatError(f"{checkpoint}: cannot read the trainer's record {extra} ({e})") from None
+    if not recorded or recorded.get("name") != "llama" or not recorded.get("config"):
+        raise HFFormatError(
+            f"{checkpoint}: no llama model config recorded (a checkpoint of another model, or written before "
+            "hpservice recorded it); Hugging Face export covers the built-in llama"
+        )
+    return export_hf(checkpoint, out, LlamaConfig(**recorded["config"]), max_shard_bytes=max_shard_bytes)

@@ -9,6 +9,7 @@ checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -229,8 +230,10 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        self.model_config_dict = None
         if m.name in list_models():
             config = model_config(m.name, m.flavor, m.overrides, m.init_from)
+            self.model_config_dict = dataclasses.asdict(config)
             vocab = spec.data.vocab_size or config.vocab_size
             self.flops_per_token = flops_per_token(config, spec.data.seq_len)
         else:  # a custom factory: the 6N estimate
@@ -291,6 +294,8 @@ class Trainer:
             "rng": torch.get_rng_state(),
             "dtensor_rng": dtensor_random.get_rng_state(),
             "data": {"seed": self.spec.data.seed, "step": self.step},
+            # what the weights are, for exporting the checkpoint without the job spec (hpservice export --format hf)
+            "model": {"name": self.spec.model.name, "config": self.model_config_dict},
         }
         self._report_committed()  # save() waits for the previous async save: it is committed now
         self.checkpoints.save(self.step, self.model, self.optimizer, extra, metrics=metrics)

@@ -166,3 +166,42 @@ def test_a_job_starts_from_the_imported_weights(ranks, tmp_path):
     spec = tiny_llama_job(tmp_path / "run", model={"name": "llama", "init_from": str(hf_dir)}, training={"steps": 1})
     losses = ranks(2).run(_train_one_step, spec)
     assert losses[0] == pytest.approx(expected, abs=1e-5), (losses, expected)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_after_training_loads_in_transformers_with_our_logits(ranks, tmp_path, tied):
+    """Fine-tune 2 steps from a transformers checkpoint on 2 FSDP ranks, export the checkpoint in
+    Hugging Face format (several shard files), load it with transformers: same logits as ours."""
+    from hpservice.checkpoint import CheckpointManager
+    from hpservice.cli import main
+    from tests._jobs import tiny_llama_job
+
+    hf_dir = tmp_path / "hf"
+    _hf_checkpoint(hf_dir, tied=tied)
+    spec = tiny_llama_job(
+        tmp_path / "run", model={"name": "llama", "init_from": str(hf_dir)}, training={"steps": 2},
+        checkpoint={"interval": 2},
+    )  # fmt: skip
+    ranks(2).run(_train_one_step, spec)
+    step_dir = tmp_path / "run" / "ckpt" / "step-00000002"
+    out = tmp_path / "exported"
+    assert main(["export", "--format", "hf", "--max-shard-mb", "0", str(step_dir), str(out)]) == 0
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 2 and not (tmp_path / "exported.tmp").exists()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = _ours(hf_dir)
+    CheckpointManager(tmp_path / "run" / "ckpt").load(ours)
+    with torch.no_grad():
+        mine, reference = ours(TOKENS), theirs(TOKENS).logits
+    torch.testing.assert_close(reference, mine, rtol=0, atol=1e-5)
+    with torch.no_grad():  # and it did train: not the starting weights
+        start = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()(TOKENS).logits
+    assert (start - reference).abs().max() > 1e-4
+
+
+def test_export_failures_leave_nothing(tmp_path, capsys):
+    from hpservice.cli import main
+
+    out = tmp_path / "exported"
+    assert main(["export", "--format", "hf", str(tmp_path / "no-such-step"), str(out)]) == 1
+    assert not out.exists() and not (tmp_path / "exported.tmp").exists()
+    assert "hpservice export:" in capsys.readouterr().err
