@@ -149,22 +149,31 @@ def _train_one_step(spec):
     return train(spec)[0]["loss"]
 
 
-def test_a_job_starts_from_the_imported_weights(ranks, tmp_path):
-    """`model.init_from` in a job spec, on 2 FSDP ranks: the first step's loss is transformers'
-    loss on that step's batch (the model starts from the checkpoint, not from random weights)."""
+@pytest.mark.parametrize(
+    ("world", "parallelism"),
+    [(2, {}), (4, {"dp_replicate": 2}), (4, {"tp": 2})],
+    ids=["fsdp2", "hsdp2x2", "fsdp2xtp2"],
+)
+def test_a_job_starts_from_the_imported_weights(ranks, tmp_path, world, parallelism):
+    """`model.init_from` in a job spec, under FSDP, HSDP and FSDP x TP: the first step's loss is
+    transformers' loss on that step's batch (the model starts from the checkpoint, not from
+    random weights)."""
     import torch.nn.functional as F
 
     from hpservice.data import build_source
     from tests._jobs import tiny_llama_job
 
     hf_dir = tmp_path / "hf"
-    _hf_checkpoint(hf_dir)
+    _hf_checkpoint(hf_dir, heads=4, kv_heads=2)  # head counts a tp degree of 2 divides
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
     inputs, targets = build_source("synthetic", vocab_size=100, seed=0).batch(0, 0, 1, 8, 32)
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
-    spec = tiny_llama_job(tmp_path / "run", model={"name": "llama", "init_from": str(hf_dir)}, training={"steps": 1})
-    losses = ranks(2).run(_train_one_step, spec)
+    spec = tiny_llama_job(
+        tmp_path / "run", model={"name": "llama", "init_from": str(hf_dir)}, training={"steps": 1},
+        parallelism=parallelism,
+    )  # fmt: skip
+    losses = ranks(world).run(_train_one_step, spec)
     assert losses[0] == pytest.approx(expected, abs=1e-5), (losses, expected)
 
 
