@@ -72,6 +72,21 @@ def main(argv: list[str] | None = None) -> int:
         help="hf: config.json + sharded safetensors + index, for transformers' from_pretrained (llama)",
     )
     export.add_argument("--max-shard-mb", type=int, default=2048, help="hf: largest safetensors file (MiB)")
+    prep = sub.add_parser(
+        "prepare-data", help="tokenize text / JSONL files into a token file (+ metadata) for data.kind: tokens"
+    )
+    prep.add_argument("inputs", nargs="+", help="*.jsonl (one object per line) or text files (one document each)")
+    prep.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers tokenizer.json")
+    prep.add_argument("--out", required=True, help="the token file to write (*.u32.bin for vocabularies > 65536)")
+    prep.add_argument("--field", default="text", help="the JSONL field holding the document (default text)")
+    prep.add_argument("--val-fraction", type=float, default=0.0, help="share of documents for <out>-val.bin")
+    prep.add_argument("--eos-token", default=None, help="the separator between documents (default: the tokenizer's)")
+    prep.add_argument(
+        "--train-tokenizer",
+        action="store_true",
+        help="first train a byte-level BPE tokenizer on the inputs and save it to --tokenizer",
+    )
+    prep.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer: its vocabulary size")
     serve = sub.add_parser("serve", help="run the REST control plane (FastAPI) with a local Ray or --ray-address")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs API tokens)")
     serve.add_argument("--port", type=int, default=8000)
@@ -164,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(JobSpec.model_json_schema(by_alias=True), indent=2))
         return 0
+    if args.command == "prepare-data":
+        return _prepare_data(args)
     if args.command == "export":
         from hpservice.checkpoint import CheckpointError, export_safetensors
         from hpservice.models.hf import HFFormatError, export_checkpoint_hf
@@ -180,6 +197,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(shapes)} tensors to {args.out}")
         return 0
     parser.error(f"unknown command {args.command}")  # exits with status 2
+
+
+def _prepare_data(args) -> int:
+    from hpservice.data import DataPrepError, prepare_data, train_tokenizer
+
+    try:
+        if args.train_tokenizer:
+            if not args.vocab_size:
+                print("hpservice prepare-data: --train-tokenizer needs --vocab-size", file=sys.stderr)
+                return 2
+            train_tokenizer(args.inputs, args.tokenizer, args.vocab_size, field=args.field)
+            print(f"trained a {args.vocab_size}-token BPE tokenizer: {args.tokenizer}")
+        written = prepare_data(
+            args.inputs,
+            args.out,
+            args.tokenizer,
+            field=args.field,
+            val_fraction=args.val_fraction,
+            eos_token=args.eos_token,
+            progress=sys.stderr.isatty(),
+        )
+    except (DataPrepError, OSError) as e:
+        print(f"hpservice prepare-data: {e}", file=sys.stderr)
+        return 1
+    for split, meta in written.items():
+        print(f"{split}: {meta['tokens']} tokens of {meta['documents']} documents -> {meta['path']} ({meta['dtype']})")
+    return 0
 
 
 # -- service commands (talk to the REST control plane through hpservice.client) -------------------

@@ -13,18 +13,23 @@ run continues the exact sequence: the step number is the whole data-loader state
 from ._base import TokenSource, local_batch_size
 from ._build import SOURCE_KINDS, build_source
 from ._files import TextFile, TokenFile, resolve_token_dtype, write_token_file
+from ._prepare import DataPrepError, prepare_data, read_metadata, train_tokenizer
 from ._synthetic import SyntheticTokens
 from ._tokenizer import ByteTokenizer
 
 __all__ = [
     "SOURCE_KINDS",
     "ByteTokenizer",
+    "DataPrepError",
     "SyntheticTokens",
     "TextFile",
     "TokenFile",
     "TokenSource",
     "build_source",
     "local_batch_size",
+    "prepare_data",
+    "read_metadata",
     "resolve_token_dtype",
+    "train_tokenizer",
     "write_token_file",
 ]

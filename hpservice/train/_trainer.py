@@ -137,6 +137,23 @@ def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
         module.register_parameter(name, nn.Parameter(param.detach().to_local(), requires_grad=param.requires_grad))
 
 
+def _check_token_metadata(path: str, vocab: int | None) -> None:
+    """A token file from ``hpservice prepare-data`` carries its tokenizer's vocabulary and dtype:
+    refuse one the model cannot embed, or one whose dtype differs from what the reader infers."""
+    from hpservice.data import read_metadata, resolve_token_dtype
+
+    meta = read_metadata(path)
+    if meta is None:
+        return
+    if vocab is not None and meta["vocab_size"] > vocab:
+        raise TrainingError(
+            f"data.path {path}: tokenized with a vocabulary of {meta['vocab_size']} ({meta.get('tokenizer')}), "
+            f"larger than the model's {vocab}"
+        )
+    if resolve_token_dtype(path).name != meta["dtype"]:
+        raise TrainingError(f"data.path {path}: holds {meta['dtype']} tokens but would be read as {resolve_token_dtype(path).name}")
+
+
 def build_optimizer(model: nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
     o = spec.optimizer
     if o.name == "adamw":
@@ -241,6 +258,8 @@ class Trainer:
             self.flops_per_token = 6 * num_params(self.model)
         if spec.data.kind == "synthetic" and vocab is None:
             raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
+        if spec.data.kind == "tokens":
+            _check_token_metadata(spec.data.path, vocab)
         self.data = build_source(
             spec.data.kind,
             path=spec.data.path,

@@ -1,0 +1,184 @@
+"""``hpservice prepare-data``: text and JSONL corpora -> token files, with a Hugging Face tokenizer.
+
+- Inputs: ``*.jsonl`` (one JSON object per line, the document in ``field``, default ``text``)
+  or any other file as one UTF-8 document. Documents are tokenized with a ``tokenizers``
+  ``tokenizer.json`` (its Rust ``encode_batch`` runs on all cores) and joined with the
+  tokenizer's end-of-text token between documents.
+- Output: a token file in the format ``TokenFile`` reads (uint16 for vocabularies up to 65536,
+  else uint32, which needs a ``*.u32.bin`` name), written next to its name and renamed, plus
+  ``<out>.json``: tokenizer SHA-256, vocab size, dtype, documents, tokens, EOS id. The trainer
+  checks that metadata against the model's vocabulary before any step.
+- ``val_fraction``: that share of the documents (every k-th one, so the split does not depend on
+  file order within a document) goes to ``<out stem>-val`` instead.
+- ``train_tokenizer``: a byte-level BPE tokenizer of ``vocab_size`` trained on the inputs, for
+  users who have none (saved to the tokenizer path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ._files import write_token_file
+
+__all__ = ["DataPrepError", "metadata_path", "prepare_data", "read_metadata", "train_tokenizer"]
+
+FORMAT = 1
+_EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+
+
+class DataPrepError(ValueError):
+    """Bad input for data preparation: names the file (and line) and what is wrong."""
+
+
+def metadata_path(token_file: str | Path) -> Path:
+    return Path(str(token_file) + ".json")
+
+
+def read_metadata(token_file: str | Path) -> dict | None:
+    path = metadata_path(token_file)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise DataPrepError(f"{path}: not valid JSON ({e})") from None
+
+
+def _documents(inputs: list[Path], field: str) -> Iterator[str]:
+    for path in inputs:
+        if not path.is_file():
+            raise DataPrepError(f"{path}: no such file")
+        if path.suffix == ".parquet":
+            raise DataPrepError(f"{path}: Parquet input is not built yet (use JSONL or text)")
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        doc = json.loads(line)
+                    except ValueError as e:
+                        raise DataPrepError(f"{path}:{n}: not valid JSON ({e})") from None
+                    text = doc.get(field) if isinstance(doc, dict) else None
+                    if not isinstance(text, str):
+                        raise DataPrepError(f"{path}:{n}: no string field {field!r} (use --field NAME)")
+                    yield text
+        else:
+            try:
+                yield path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise DataPrepError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def train_tokenizer(inputs: list[str | Path], out: str | Path, vocab_size: int, *, field: str = "text") -> Path:
+    """Train a byte-level BPE tokenizer of ``vocab_size`` on the inputs; returns its path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_documents([Path(p) for p in inputs], field), trainer=trainer)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    return out
+
+
+def prepare_data(
+    inputs: list[str | Path],
+    out: str | Path,
+    tokenizer: str | Path,
+    *,
+    field: str = "text",
+    val_fraction: float = 0.0,
+    eos_token: str | None = None,
+    batch_size: int = 256,
+    progress: bool = False,
+) -> dict:
+    """Tokenize ``inputs`` into ``out`` (and its validation split); returns the metadata written."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Path(tokenizer)
+    try:
+        tok = Tokenizer.from_file(str(tokenizer))
+    except Exception as e:  # tokenizers raises its own exception type for unreadable files
+        raise DataPrepError(f"{tokenizer}: cannot load a tokenizers tokenizer.json ({e})") from None
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    eos = eos_token or next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+    if eos is None or tok.token_to_id(eos) is None:
+        raise DataPrepError(f"{tokenizer}: no end-of-text token found ({', '.join(_EOS_CANDIDATES)}); pass --eos-token")
+    eos_id = tok.token_to_id(eos)
+    out = Path(out)
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    if dtype is np.uint32 and not out.name.endswith(".u32.bin"):
+        raise DataPrepError(f"{out}: a vocabulary of {vocab} needs uint32 tokens: name the file *.u32.bin")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataPrepError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    every = round(1 / val_fraction) if val_fraction else 0
+    splits = {"train": [], "val": []}
+    counts = {"train": 0, "val": 0}
+    docs = _documents([Path(p) for p in inputs], field)
+    bar = _progress(progress)
+    index = 0
+    while True:
+        batch = [d for _, d in zip(range(batch_size), docs, strict=False)]
+        if not batch:
+            break
+        for enc in tok.encode_batch(batch, add_special_tokens=False):
+            split = "val" if every and index % every == every - 1 else "train"
+            splits[split].append(np.asarray(enc.ids + [eos_id], dtype=np.int64))
+            counts[split] += 1
+            index += 1
+        if bar is not None:
+            bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    if not counts["train"]:
+        raise DataPrepError(f"no documents in {', '.join(map(str, inputs))}")
+    sha = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    written = {}
+    for split, arrays in splits.items():
+        if split == "val" and not every:
+            continue
+        path = out if split == "train" else out.with_name(out.name.replace(".bin", "-val.bin", 1))
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_token_file(path, tokens, dtype)
+        meta = {
+            "format": FORMAT, "tokenizer": str(tokenizer), "tokenizer_sha256": sha, "vocab_size": vocab,
+            "dtype": np.dtype(dtype).name, "documents": counts[split], "tokens": int(tokens.size), "eos_id": eos_id,
+            "split": split,
+        }  # fmt: skip
+        metadata_path(path).write_text(json.dumps(meta, indent=2))
+        written[split] = {"path": str(path), **meta}
+    return written
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    from rich.progress import Progress
+
+    class _Bar:
+        def __init__(self):
+            self.p = Progress(transient=True)
+            self.p.start()
+            self.task = self.p.add_task("tokenizing documents", total=None)
+
+        def update(self, n):
+            self.p.update(self.task, advance=n)
+
+        def close(self):
+            self.p.stop()
+
+    return _Bar()
