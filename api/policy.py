@@ -12,7 +12,7 @@ answers with 422. The rules:
   Relative ``metrics.dir`` / ``checkpoint.dir`` resolve there; absolute paths must stay inside it
   (symlinks and ``..`` are resolved first). Storage URLs are refused, since this server has no
   storage prefix of its own.
-- **Inputs.** ``data.path`` must lie under one of the operator's data roots
+- **Inputs.** ``data.path`` and ``eval.data.path`` must lie under one of the operator's data roots
   (``Settings.data_roots``, ``--data-root``); with none configured, the service reads no files.
   ``checkpoint.resume_from`` and ``model.init_from`` may name a checkpoint in one of the owner's
   own job directories (an admin may name any owner's), or one under a data root.
@@ -67,6 +67,10 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     if data.path is not None:
         path = _input(data.path, "data.path", home, settings, errors)
         data = data.model_copy(update={"path": str(path)})
+    evaluation = spec.eval
+    if evaluation.data is not None and evaluation.data.path is not None:
+        path = _input(evaluation.data.path, "eval.data.path", home, settings, errors)
+        evaluation = evaluation.model_copy(update={"data": evaluation.data.model_copy(update={"path": str(path)})})
     if model.init_from is not None:  # a pretrained checkpoint: an input like resume_from
         checked_init = _checkpoint_input(model.init_from, principal, home, settings, errors, "model.init_from")
         model = model.model_copy(update={"init_from": checked_init})
@@ -80,6 +84,7 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
         update={
             "model": model,
             "data": data,
+            "eval": evaluation,
             "metrics": spec.metrics.model_copy(update={"dir": str(metrics_dir)}),
             "checkpoint": spec.checkpoint.model_copy(update={"dir": checkpoint_dir, "resume_from": resume}),
             "run_id": None,

@@ -265,6 +265,20 @@ def new_run_id(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
+class EvalSpec(_Section):
+    """A validation loss on held-out data every ``interval`` steps (0: never)."""
+
+    data: DataSpec | None = Field(None, description="the held-out data (a data section); needed when interval > 0")
+    interval: int = Field(0, ge=0, description="evaluate after every N optimizer steps and after the last; 0 disables")
+    steps: int = Field(4, gt=0, description="batches per evaluation: the same ones every time, so values compare")
+
+    @model_validator(mode="after")
+    def _data_when_enabled(self):
+        if self.interval and self.data is None:
+            raise ValueError("eval.data is required when eval.interval > 0")
+        return self
+
+
 class JobSpec(_Section):
     name: str = Field(..., pattern=NAME_PATTERN, description="job name")
     run_id: str | None = Field(
@@ -283,6 +297,7 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
 
     def with_run(self, run_id: str | None = None) -> JobSpec:
         """This spec with its run decided: ``run_id`` (default: the spec's own, else a new one) and

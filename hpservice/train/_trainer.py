@@ -260,6 +260,14 @@ class Trainer:
             raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
         if spec.data.kind == "tokens":
             _check_token_metadata(spec.data.path, vocab)
+        self.eval_data = None
+        if spec.eval.interval:
+            e = spec.eval.data
+            if e.kind == "tokens":
+                _check_token_metadata(e.path, vocab)
+            self.eval_data = build_source(
+                e.kind, path=e.path, vocab_size=vocab if e.kind != "text" else None, seed=e.seed
+            )
         self.data = build_source(
             spec.data.kind,
             path=spec.data.path,
@@ -399,8 +407,36 @@ class Trainer:
             "step_time_s": elapsed,
             **self._utilisation(tokens / elapsed),
         }
+        interval = spec.eval.interval
+        if interval and (self.step % interval == 0 or self.step == spec.training.steps):
+            record.update(self.evaluate())
         self._report(record)
         return record
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """The mean loss (and perplexity) on ``eval.steps`` fixed held-out batches, each
+        data-parallel rank on its own part of each batch; the same batches every time."""
+        e = self.spec.eval
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        try:
+            for k in range(e.steps):
+                x, y = self.eval_data.batch(k, self.dp_rank, self.dp_size, e.data.global_batch, e.data.seq_len)
+                x, y = x.to(self.device), y.to(self.device)
+                logits = self.model(x)
+                if isinstance(logits, DTensor):
+                    loss = vocab_parallel_cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                else:
+                    loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                total += loss
+        finally:
+            self.model.train()
+        if self.world > 1:  # each dp rank holds its part's loss (tp ranks the same value): the mean
+            dist.all_reduce(total)
+            total /= self.world
+        val_loss = float(total) / e.steps
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # ---- metrics ------------------------------------------------------------------------------
     def _utilisation(self, tokens_per_s: float) -> dict:

@@ -110,6 +110,8 @@ def test_input_files_only_from_the_operators_data_roots(tmp_path):
         _rejected(c, _spec(data={**text, "path": "/etc/shadow"}), "data.path", "outside the allowed data roots")
         _rejected(c, _spec(data={**text, "path": f"{root}/../../../etc/shadow"}), "data.path", "outside")
         _rejected(c, _spec(data={**text, "path": str(root / "leak.txt")}), "data.path", "outside")  # symlink out
+        held_out = {"data": {**text, "path": "/etc/passwd"}, "interval": 1}
+        _rejected(c, _spec(eval=held_out), "eval.data.path", "outside the allowed data roots")
         ok = c.post("/v1/jobs", json=_spec(data={**text, "path": str(root / "corpus.txt")}), headers=_auth(ALICE))
         assert ok.status_code == 201, ok.text
 

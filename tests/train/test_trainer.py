@@ -134,3 +134,23 @@ def test_two_runs_of_one_spec_never_share_outputs(ranks, tmp_path):
     for run in runs:
         assert [json.loads(line)["step"] for line in run.read_text().splitlines()] == [1, 2, 3, 4]
         assert sorted(p.name for p in (run.parent / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+
+
+def _val_losses(spec):
+    return [(r["step"], r.get("val_loss")) for r in _run(spec)]
+
+
+@pytest.mark.parametrize(("world", "parallelism"), [(2, {}), (4, {"tp": 2})], ids=["fsdp2", "fsdp2xtp2"])
+def test_validation_loss_equals_one_process(ranks, tmp_path, world, parallelism):
+    """eval: {data, interval, steps}: a val_loss every interval steps (and after the last), each
+    data-parallel rank on its part of the held-out batches; the same values as one process."""
+    held_out = {"kind": "synthetic", "seq_len": 32, "global_batch": 8, "seed": 99}
+    sections = {"training": {"steps": 5}, "eval": {"data": held_out, "interval": 2, "steps": 3}}
+    spec = _spec(tmp_path, parallelism=parallelism, **sections)
+    many = ranks(world).run(_val_losses, spec)[0]
+    one = ranks(1).run(_val_losses, _spec(tmp_path / "one", **sections))[0]
+    assert [s for s, v in many if v is not None] == [2, 4, 5]
+    for (_, a), (_, b) in zip(many, one, strict=True):
+        assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, abs=1e-5))
+    records = [json.loads(line) for line in next(tmp_path.glob("t-*/metrics.jsonl")).read_text().splitlines()]
+    assert "val_ppl" in records[1] and "val_loss" not in records[0]  # through the metrics pipe
