@@ -159,6 +159,12 @@ class TrainingSpec(_Section):
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (gradients sync on the last only)")
     max_grad_norm: float | None = Field(1.0, gt=0, description="global gradient clipping norm; null disables clipping")
     skip_nonfinite: bool = Field(False, description="skip a step whose loss is NaN/inf instead of failing the run")
+    freeze: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="parameters to keep fixed: 'embeddings', 'output', 'norm', 'layers.A-B' (blocks A to B), or "
+        "fnmatch patterns of parameter names ('layers.*.attention.*'); each must match something",
+    )
 
 
 class OptimizerSpec(_Section):

@@ -154,11 +154,44 @@ def _check_token_metadata(path: str, vocab: int | None) -> None:
         raise TrainingError(f"data.path {path}: holds {meta['dtype']} tokens but would be read as {resolve_token_dtype(path).name}")
 
 
+_FREEZE_ALIASES = {"embeddings": ("tok_embeddings.*",), "output": ("output.*",), "norm": ("norm.*",)}
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    """``requires_grad_(False)`` on the parameters ``patterns`` name (fine-tuning part of a model);
+    returns their names. A pattern that matches nothing is an error naming it (a typo must not
+    train what was meant to stay fixed)."""
+    import fnmatch
+    import re
+
+    names = [n for n, _ in model.named_parameters()]
+    frozen: set[str] = set()
+    for pattern in patterns:
+        blocks = re.fullmatch(r"layers\.(\d+)(?:-(\d+))?", pattern)
+        if blocks:
+            lo, hi = int(blocks[1]), int(blocks[2] or blocks[1])
+            globs = tuple(f"layers.{i}.*" for i in range(lo, hi + 1))
+        else:
+            globs = _FREEZE_ALIASES.get(pattern, (pattern,))
+        matched = [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+        if not matched or (blocks and len({n.split(".")[1] for n in matched}) != hi - lo + 1):
+            raise TrainingError(
+                f"training.freeze: {pattern!r} matches no parameter (or not every block it names); parameter names "
+                f"look like {', '.join(names[:3])}, ..."
+            )
+        frozen.update(matched)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return sorted(frozen)
+
+
 def build_optimizer(model: nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
     o = spec.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]  # frozen ones (training.freeze) stay out
     if o.name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
 def lr_lambda(spec: JobSpec) -> Callable[[int], float]:
@@ -245,6 +278,7 @@ class Trainer:
         if m.init_from is not None:  # pretrained weights: each rank reads its own slices
             load_hf_weights(self.model, m.init_from)
 
+        freeze(self.model, spec.training.freeze)
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.model_config_dict = None

@@ -154,3 +154,28 @@ def test_validation_loss_equals_one_process(ranks, tmp_path, world, parallelism)
         assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, abs=1e-5))
     records = [json.loads(line) for line in next(tmp_path.glob("t-*/metrics.jsonl")).read_text().splitlines()]
     assert "val_ppl" in records[1] and "val_loss" not in records[0]  # through the metrics pipe
+
+
+def _frozen_run(spec):
+    trainer = Trainer(spec, log_to_stdout=False)
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in trainer.model.named_parameters()
+    }
+    history = trainer.train()
+    changed = {}
+    for n, p in trainer.model.named_parameters():
+        now = p.full_tensor() if hasattr(p, "full_tensor") else p
+        changed[n] = not torch.equal(now, full[n])
+    return [r["loss"] for r in history], changed
+
+
+def test_frozen_parameters_stay_and_the_rest_trains_as_one_process(ranks, tmp_path):
+    training = {"steps": 3, "freeze": ["embeddings", "layers.0"]}
+    (losses, changed), _ = ranks(2).run(_frozen_run, _spec(tmp_path, training=training))
+    one_losses, _ = ranks(1).run(_frozen_run, _spec(tmp_path / "one", training=training))[0]
+    assert losses == pytest.approx(one_losses, abs=1e-5)
+    frozen = {n for n, c in changed.items() if not c}
+    assert frozen == {n for n in changed if n.startswith(("tok_embeddings.", "layers.0."))}, frozen
+    with pytest.raises(Exception, match=r"training.freeze: 'layrs.0' matches no parameter"):
+        ranks(1).run(_frozen_run, _spec(tmp_path / "bad", training={"freeze": ["layrs.0"]}))
