@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         help="first train a byte-level BPE tokenizer on the inputs and save it to --tokenizer",
     )
     prep.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer: its vocabulary size")
+    gen = sub.add_parser("generate", help="generate text from a checkpoint (ours, step-N, or a Hugging Face directory)")
+    gen.add_argument("checkpoint", help="a committed step-N checkpoint directory, or a Hugging Face checkpoint directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: byte-level, for 256-token models)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=0)
     serve = sub.add_parser("serve", help="run the REST control plane (FastAPI) with a local Ray or --ray-address")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs API tokens)")
     serve.add_argument("--port", type=int, default=8000)
@@ -179,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(JobSpec.model_json_schema(by_alias=True), indent=2))
         return 0
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "prepare-data":
         return _prepare_data(args)
     if args.command == "export":
@@ -197,6 +207,59 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(shapes)} tensors to {args.out}")
         return 0
     parser.error(f"unknown command {args.command}")  # exits with status 2
+
+
+def _load_for_generation(path: str):
+    """A plain Llama with the weights of ``path``: our checkpoint (its recorded config) or a
+    Hugging Face directory."""
+    from pathlib import Path
+
+    import torch
+
+    from hpservice.checkpoint import CheckpointManager
+    from hpservice.models.hf import llama_config_from_hf, load_hf_weights
+    from hpservice.models.llama import Llama, LlamaConfig
+
+    p = Path(path)
+    if (p / "config.json").is_file():
+        model = Llama(llama_config_from_hf(p))
+        load_hf_weights(model, p)
+        return model
+    recorded = torch.load(p / "extra" / "rank-0.pt", weights_only=True).get("model") or {}
+    if recorded.get("name") != "llama":
+        raise ValueError(f"{p}: not a llama checkpoint with its config recorded")
+    model = Llama(LlamaConfig(**recorded["config"]))
+    CheckpointManager(p.parent).load(model, step=int(p.name.removeprefix("step-")))
+    return model
+
+
+def _generate(args) -> int:
+    from hpservice.data import ByteTokenizer
+    from hpservice.models.generate import generate
+
+    try:
+        model = _load_for_generation(args.checkpoint)
+        if args.tokenizer:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(args.tokenizer)
+            encode, decode = (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
+            eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>") if tok.token_to_id(t) is not None), None)
+        elif model.cfg.vocab_size == 256:
+            byte = ByteTokenizer()
+            encode, decode, eos = byte.encode, byte.decode, None
+        else:
+            print(f"hpservice generate: a {model.cfg.vocab_size}-token model needs --tokenizer", file=sys.stderr)
+            return 2
+        ids = generate(
+            model, list(encode(args.prompt)), args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, seed=args.seed, eos_id=eos,
+        )  # fmt: skip
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"hpservice generate: {e}", file=sys.stderr)
+        return 1
+    print(args.prompt + decode(ids))
+    return 0
 
 
 def _prepare_data(args) -> int:

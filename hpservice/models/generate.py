@@ -1,0 +1,107 @@
+"""Text generation from a Llama with a key/value cache: greedy, temperature and top-k sampling.
+
+``generate(model, prompt_ids, max_new_tokens)`` runs the prompt once (the "prefill"), then one
+token at a time, each step attending over the cached keys and values of every earlier position
+instead of recomputing them. The per-step math is the model's own: its projections, norms,
+rotary table and feed-forward modules, called with the cached keys and values. The tests check
+that the logits equal a full forward of the whole sequence.
+One process, unsharded weights (a checkpoint loads into a plain model for this).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .llama import Attention, Llama, apply_rope
+
+__all__ = ["KVCache", "generate", "next_logits"]
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, per layer: ``[B, n_kv_heads, S, head_dim]``."""
+
+    def __init__(self, n_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.length = 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+def _attention(attn: Attention, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+    B, S, _ = x.shape
+    q = attn.wq(x).view(B, S, attn.n_heads, attn.head_dim)
+    k = attn.wk(x).view(B, S, attn.n_kv_heads, attn.head_dim)
+    v = attn.wv(x).view(B, S, attn.n_kv_heads, attn.head_dim)
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    start = cache.length
+    k, v = cache.extend(layer, k, v)
+    n_rep = attn.n_heads // attn.n_kv_heads
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    # New query i (position start + i) sees keys 0 .. start + i.
+    total = start + S
+    mask = torch.ones(S, total, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attn.wo(out.transpose(1, 2).reshape(B, S, attn.n_heads * attn.head_dim))
+
+
+@torch.no_grad()
+def next_logits(model: Llama, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` of ``tokens`` (the positions after the cached ones), filling the cache."""
+    start, S = cache.length, tokens.shape[1]
+    if start + S > model.cfg.max_seq_len:
+        raise ValueError(f"generation past LlamaConfig.max_seq_len ({model.cfg.max_seq_len})")
+    rope = model.rope_cache[start : start + S]
+    h = model.tok_embeddings(tokens)
+    for i, layer in enumerate(model.layers):
+        h = h + _attention(layer.attention, layer.attention_norm(h), rope, cache, i)
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    cache.length += S
+    return model.output(model.norm(h))
+
+
+@torch.no_grad()
+def generate(
+    model: Llama,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> list[int]:
+    """The new token ids after ``prompt_ids``: greedy with ``temperature`` 0, else sampled from
+    the softmax at that temperature over the ``top_k`` most likely tokens (all when None); stops
+    at ``eos_id`` (included) or after ``max_new_tokens``."""
+    if not prompt_ids:
+        raise ValueError("generate: the prompt is empty")
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = KVCache(len(model.layers))
+    logits = next_logits(model, torch.tensor([prompt_ids], device=device), cache)[:, -1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        if temperature <= 0:
+            token = int(logits.argmax(-1))
+        else:
+            scaled = logits.float() / temperature
+            if top_k is not None and top_k < scaled.shape[-1]:
+                kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            token = int(torch.multinomial(scaled.softmax(-1), 1, generator=gen))
+        out.append(token)
+        if token == eos_id or cache.length >= model.cfg.max_seq_len:
+            break
+        logits = next_logits(model, torch.tensor([[token]], device=device), cache)[:, -1]
+    return out
