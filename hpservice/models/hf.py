@@ -29,7 +29,7 @@ import torch
 
 from .llama import Llama, LlamaConfig
 
-__all__ = ["HFFormatError", "export_checkpoint_hf", "export_hf", "hf_config", "hf_name", "llama_config_from_hf", "load_hf_weights"]
+__all__ = ["HFFormatError", "export_checkpoint_hf", "export_hf", "hf_config", "hf_name", "llama_config_from_hf", "load_hf_weights", "save_hf_pretrained"]
 
 _ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -337,3 +337,19 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
             "hpservice recorded it); Hugging Face export covers the built-in llama"
         )
     return export_hf(checkpoint, out, LlamaConfig(**recorded["config"]), max_shard_bytes=max_shard_bytes)
+
+
+def save_hf_pretrained(model: Llama, out: str | Path) -> Path:
+    """Write an unsharded Llama in Hugging Face format (one safetensors file + config.json): a
+    model made here that transformers, or ``model.init_from``, can start from."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        hf_name(n): _to_hf_layout(n, p.detach(), model.cfg.head_dim).contiguous().cpu()
+        for n, p in model.named_parameters()
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(model.cfg), indent=2))
+    return out
