@@ -5,9 +5,10 @@ A checkpoint directory holds ``config.json`` and ``model.safetensors``, or shard
 
 - ``llama_config_from_hf(dir)`` maps the config (``LlamaForCausalLM``: hidden size, layers,
   heads, KV heads, intermediate size, rope theta, RMS eps, tied embeddings, vocab) to a
-  ``LlamaConfig``. Anything we would compute differently is refused with the key and the value
-  (rope scaling, attention or MLP biases, a head_dim other than hidden / heads, an activation
-  other than SiLU), never approximated.
+  ``LlamaConfig`` (transformers 4's ``rope_theta`` / ``rope_scaling`` and 5's
+  ``rope_parameters``; plain and Llama 3 ``llama3`` frequencies). Anything we would compute
+  differently is refused with the key and the value (other rope types, attention or MLP biases,
+  a head_dim other than hidden / heads, an activation other than SiLU), never approximated.
 - ``load_hf_weights(model, dir)`` fills an already built (and possibly sharded) ``Llama`` in
   place. For each parameter, a DTensor (FSDP, HSDP, TP and their compositions) or a plain
   tensor, the rank computes the global rectangle its local piece covers and reads only that from
@@ -62,7 +63,21 @@ def llama_config_from_hf(path: str | Path, **overrides) -> LlamaConfig:
         if value not in allowed:
             raise HFFormatError(f"{where}: {key} = {value!r} is not supported: {why}")
 
-    refuse("rope_scaling", (None,), "only plain rope_theta frequencies are implemented")
+    # transformers 5 writes rope_parameters (rope_theta inside); 4.x rope_theta and rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    v5 = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else None
+    scaling = v5 or cfg.get("rope_scaling") or None
+    if scaling is not None:
+        scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
+        if scaling.get("rope_type") == "default":
+            scaling = None
+        elif scaling.get("rope_type") != "llama3":
+            key = "rope_parameters" if v5 else "rope_scaling"
+            raise HFFormatError(
+                f"{where}: {key} of rope_type {scaling.get('rope_type')!r} is not supported: plain and Llama 3 "
+                "('llama3') frequencies are implemented"
+            )
     refuse("attention_bias", (None, False), "our attention projections have no bias")
     refuse("mlp_bias", (None, False), "our MLP projections have no bias")
     refuse("hidden_act", (None, "silu"), "our MLP is SwiGLU with SiLU")
@@ -77,7 +92,8 @@ def llama_config_from_hf(path: str | Path, **overrides) -> LlamaConfig:
         "vocab_size": cfg["vocab_size"],
         "hidden_dim": cfg["intermediate_size"],
         "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(cfg.get("rope_theta", 10000.0)),
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
         "max_seq_len": cfg.get("max_position_embeddings", 2048),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
     }
@@ -211,7 +227,7 @@ def hf_config(cfg: LlamaConfig) -> dict:
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",

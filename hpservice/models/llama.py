@@ -75,6 +75,9 @@ class LlamaConfig:
     hidden_dim: int | None = None
     """The SwiGLU hidden size itself (Hugging Face's ``intermediate_size``); None: derived from
     dim, ffn_dim_multiplier and multiple_of as in Meta's reference."""
+    rope_scaling: dict | None = None
+    """Llama 3.1's long-context frequency scaling: ``{"rope_type": "llama3", "factor",
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``; None: plain."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -99,6 +102,13 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.norm_eps must be positive, got {self.norm_eps}")
         if self.rope_theta <= 0:
             raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+            if self.rope_scaling.get("rope_type") != "llama3" or not keys <= set(self.rope_scaling):
+                raise ValueError(
+                    f"LlamaConfig.rope_scaling: only {{'rope_type': 'llama3', {', '.join(sorted(keys))}}} is "
+                    f"implemented, got {self.rope_scaling!r}"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -174,15 +184,32 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, device=None, scaling: dict | None = None
+) -> torch.Tensor:
     """Rotary table: ``[max_seq_len, head_dim // 2, 2]`` float32, last dim = (cos, sin).
 
-    Channel pair i of position p is rotated by angle p * theta ** (-2i / head_dim).
+    Channel pair i of position p is rotated by angle p * theta ** (-2i / head_dim); with Llama 3.1's
+    ``scaling``, low frequencies (wavelengths past the original context) are divided by
+    ``factor``, high ones kept, and the band between interpolated smoothly.
     """
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        freqs = _llama3_scaled(freqs, scaling)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # [max_seq_len, head_dim // 2]
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def _llama3_scaled(freqs: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > old_context / low, freqs / factor, freqs)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -302,7 +329,9 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight  # one Parameter, two uses
         # Not saved in state_dict (persistent=False): it is a function of the config.
         self.register_buffer(
-            "rope_cache", precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
+            "rope_cache",
+            precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=cfg.rope_scaling),
+            persistent=False,
         )
         self.init_weights()
 
@@ -317,7 +346,9 @@ class Llama(nn.Module):
         Only ``torch.nn.init.*`` in-place calls on whole parameters, so sharded DTensor parameters work.
         """
         device = next(self.parameters()).device
-        self.rope_cache = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        self.rope_cache = precompute_rope(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling
+        )
         std_out = self.cfg.dim**-0.5  # keeps the initial logits at unit scale
         if self.cfg.tie_embeddings:
             if self.output.weight is not self.tok_embeddings.weight:

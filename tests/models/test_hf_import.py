@@ -22,7 +22,7 @@ def _hf_checkpoint(path, *, heads=6, kv_heads=3, tied=False, **extra):
     cfg = transformers.LlamaConfig(
         hidden_size=72, intermediate_size=200, num_hidden_layers=2, num_attention_heads=heads,
         num_key_value_heads=kv_heads, vocab_size=100, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=tied, **extra,
+        rope_theta=50000.0, tie_word_embeddings=tied, **extra,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norm weights
@@ -40,9 +40,19 @@ def _ours(path, device="cpu"):
         return Llama(llama_config_from_hf(path))
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_one_process_equals_transformers(tmp_path, tied):
-    expected = _hf_checkpoint(tmp_path, tied=tied)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tied", "extra"), [(False, {}), (True, {}), (False, {"rope_scaling": LLAMA3_ROPE})], ids=["untied", "tied", "llama3"]
+)
+def test_one_process_equals_transformers(tmp_path, tied, extra):
+    expected = _hf_checkpoint(tmp_path, tied=tied, **extra)
+    cfg = llama_config_from_hf(tmp_path)
+    assert cfg.rope_theta == 50000.0 and (cfg.rope_scaling is not None) == bool(extra)  # read, not defaulted
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1  # the sharded format, with its index
     model = _ours(tmp_path)
     load_hf_weights(model, tmp_path)
@@ -116,7 +126,8 @@ def test_tensor_parallel_import_equals_transformers(ranks, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type 'linear'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"attention_bias": True}, "attention_bias = True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
     ],
