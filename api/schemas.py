@@ -56,6 +56,16 @@ class CheckpointList(BaseModel):
     checkpoints: list[dict[str, Any]]
 
 
+class ExportOut(BaseModel):
+    """A job checkpoint exported in Hugging Face format, on the server's storage."""
+
+    step: int
+    format: str
+    path: str
+    files: list[str]
+    tensors: int
+
+
 class ErrorDetail(BaseModel):
     code: str
     message: str

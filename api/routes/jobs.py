@@ -15,8 +15,8 @@ from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yam
 
 from ..auth import current_principal, visible
 from ..errors import APIError
-from ..policy import admit
-from ..schemas import ERRORS, CheckpointList, JobList, JobOut, LogList, MetricsPage
+from ..policy import admit, job_dir
+from ..schemas import ERRORS, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
 from ..settings import Principal
 from ..store import TERMINAL
 
@@ -212,6 +212,34 @@ def logs(
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
 def checkpoints(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
     return {"checkpoints": _job_or_404(request, job_id, principal)["checkpoints"]}
+
+
+@router.post("/{job_id}/checkpoints/{step}/export", response_model=ExportOut)
+async def export_checkpoint(
+    job_id: str,
+    step: int,
+    request: Request,
+    format: str = Query("hf", pattern="^hf$", description="hf: config.json + sharded safetensors + index"),
+    principal: Principal = Depends(current_principal),
+):
+    """Export one of the job's committed checkpoints in Hugging Face format, into
+    ``<job dir>/exports/step-N-hf`` (replaced if it exists); loadable by transformers'
+    ``from_pretrained``. Runs off the event loop."""
+    from hpservice.checkpoint import CheckpointError
+    from hpservice.models.hf import HFFormatError, export_checkpoint_hf
+
+    job = _job_or_404(request, job_id, principal)
+    found = [c for c in job["checkpoints"] if c.get("step") == step]
+    if not found:
+        steps = [c.get("step") for c in job["checkpoints"]]
+        raise APIError(404, f"job {job_id} has no committed checkpoint of step {step} (it has {steps})")
+    home = job_dir(request.app.state.settings, job["owner"], job_id)
+    out = home / "exports" / f"step-{step:08d}-hf"
+    try:
+        done = await asyncio.to_thread(export_checkpoint_hf, found[-1]["path"], out)
+    except (HFFormatError, CheckpointError, OSError, ValueError) as e:
+        raise APIError(422, f"checkpoint of step {step} cannot be exported: {e}") from None
+    return {"step": step, "format": format, "path": str(out), "files": done["files"], "tensors": done["tensors"]}
 
 
 @router.get(

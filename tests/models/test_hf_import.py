@@ -225,3 +225,34 @@ def test_export_failures_leave_nothing(tmp_path, capsys):
     assert main(["export", "--format", "hf", str(tmp_path / "no-such-step"), str(out)]) == 1
     assert not out.exists() and not (tmp_path / "exported.tmp").exists()
     assert "hpservice export:" in capsys.readouterr().err
+
+
+def test_export_a_jobs_checkpoint_from_the_api(ranks, tmp_path):
+    """POST /v1/jobs/{id}/checkpoints/{step}/export writes the HF directory into the job's own
+    directory; other owners get 404, unknown steps 404, a broken checkpoint 422."""
+    from fastapi.testclient import TestClient
+
+    from api import Settings, create_app
+    from api.policy import job_dir
+    from api.settings import Principal
+    from tests._jobs import tiny_llama_job
+
+    tokens = {"alice-token-0123456789": Principal("alice"), "bob-token-0123456789": Principal("bob")}
+    settings = Settings(data_dir=tmp_path / "data", tokens=tokens)
+    alice, bob = ({"Authorization": f"Bearer {t}"} for t in tokens)
+    with TestClient(create_app(settings, connect_ray=False, supervise=False)) as c:
+        job = c.post("/v1/jobs", json={"name": "t", "training": {"steps": 2}}, headers=alice).json()
+        home = job_dir(settings, "alice", job["id"])
+        spec = tiny_llama_job(home, training={"steps": 2}, checkpoint={"interval": 2, "dir": str(home / "ckpt")})
+        ranks(1).run(_train_one_step, spec)  # what the job's workers would have written
+        step_dir = str(home / "ckpt" / "step-00000002")
+        c.app.state.store.update_status(job["id"], {"state": "SUCCEEDED", "checkpoints": [{"step": 2, "path": step_dir}]})
+        r = c.post(f"/v1/jobs/{job['id']}/checkpoints/2/export", headers=alice)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["path"] == str(home / "exports" / "step-00000002-hf") and out["files"] and out["tensors"] > 0
+        assert transformers.AutoModelForCausalLM.from_pretrained(out["path"]) is not None
+        assert c.post(f"/v1/jobs/{job['id']}/checkpoints/2/export", headers=bob).status_code == 404
+        assert c.post(f"/v1/jobs/{job['id']}/checkpoints/7/export", headers=alice).status_code == 404
+        (home / "ckpt" / "step-00000002" / "manifest.json").unlink()
+        assert c.post(f"/v1/jobs/{job['id']}/checkpoints/2/export", headers=alice).status_code == 422
