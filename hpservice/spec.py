@@ -242,6 +242,9 @@ class CheckpointSpec(_Section):
     )
     async_: bool = Field(False, alias="async", description="write checkpoints in the background")
     resume_from: str | None = Field(None, max_length=_MAX_PATH, description="'latest' or a checkpoint directory")
+    keep_best: Literal["loss", "val_loss"] | None = Field(
+        None, description="also keep the checkpoint with the lowest value of this metric (val_loss needs eval)"
+    )
 
 
 class FailureSpec(_Section):
@@ -323,6 +326,12 @@ class JobSpec(_Section):
         if run_id is None:
             raise SpecError("the run is not decided yet (JobSpec.with_run)")
         return f"{self.metrics.dir.rstrip('/')}/{run_id}"
+
+    @model_validator(mode="after")
+    def _keep_best_is_measured(self):
+        if self.checkpoint.keep_best == "val_loss" and not self.eval.interval:
+            raise ValueError("checkpoint.keep_best: val_loss needs eval.interval > 0 (a validation loss)")
+        return self
 
     @model_validator(mode="after")
     def _batch_divides(self):

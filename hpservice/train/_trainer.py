@@ -314,7 +314,7 @@ class Trainer:
         c = spec.checkpoint
         self.checkpoints = None
         if c.interval or c.resume_from:
-            self.checkpoints = CheckpointManager(c.dir, keep=c.keep, async_save=c.async_)
+            self.checkpoints = CheckpointManager(c.dir, keep=c.keep, async_save=c.async_, best_metric=c.keep_best)
             if c.resume_from:
                 self._resume(c.resume_from)
         self._metrics_file = None
@@ -386,7 +386,7 @@ class Trainer:
                 record = self.train_step()
                 history.append(record)
                 if interval and (self.step % interval == 0 or self.step == self.spec.training.steps):
-                    self.save_checkpoint({"loss": record["loss"]})
+                    self.save_checkpoint({k: record[k] for k in ("loss", "val_loss") if k in record})
                     saved_at = self.step
             if self._stopping and self.checkpoints is not None and history and saved_at != self.step:
                 self.save_checkpoint({"loss": history[-1]["loss"]})

@@ -179,3 +179,23 @@ def test_frozen_parameters_stay_and_the_rest_trains_as_one_process(ranks, tmp_pa
     assert frozen == {n for n in changed if n.startswith(("tok_embeddings.", "layers.0."))}, frozen
     with pytest.raises(Exception, match=r"training.freeze: 'layrs.0' matches no parameter"):
         ranks(1).run(_frozen_run, _spec(tmp_path / "bad", training={"freeze": ["layrs.0"]}))
+
+
+def test_keep_best_by_validation_loss(ranks, tmp_path):
+    """checkpoint.keep_best: val_loss keeps the checkpoint with the lowest val_loss besides the
+    `keep` newest ones; every other one is pruned."""
+    held_out = {"kind": "synthetic", "seq_len": 32, "global_batch": 8, "seed": 7}
+    spec = _spec(
+        tmp_path, training={"steps": 8}, eval={"data": held_out, "interval": 2, "steps": 2},
+        checkpoint={"interval": 2, "keep": 1, "keep_best": "val_loss"},
+    )  # fmt: skip
+    history = ranks(2).run(_run, spec)[0]
+    val = {r["step"]: r["val_loss"] for r in history if "val_loss" in r}
+    assert sorted(val) == [2, 4, 6, 8]
+    best = min(val, key=val.get)
+    kept = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "ckpt").iterdir())
+    assert kept == sorted({best, 8}), (kept, val)
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())
+    assert manifest["metrics"]["val_loss"] == pytest.approx(val[8])
+    with pytest.raises(Exception, match="keep_best: val_loss needs eval.interval"):
+        _spec(tmp_path, checkpoint={"keep_best": "val_loss"})
