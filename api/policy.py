@@ -77,6 +77,8 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     resume = spec.checkpoint.resume_from
     if resume not in (None, "latest"):
         resume = _checkpoint_input(resume, principal, home, settings, errors, "checkpoint.resume_from")
+    if spec.metrics.mlflow is not None and spec.metrics.mlflow.tracking_uri is not None:
+        errors.append(("metrics.mlflow.tracking_uri", "not allowed on this server: jobs log to MLflow in their own directory"))
     if errors:
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
         raise SpecError(f"job spec: not allowed on this server\n{lines}", errors)

@@ -258,9 +258,17 @@ class FailureSpec(_Section):
     )
 
 
+class MLflowSpec(_Section):
+    tracking_uri: str | None = Field(
+        None, max_length=_MAX_PATH, description="tracking server or database; default a file store in the run's directory"
+    )
+    experiment: str | None = Field(None, max_length=200, description="experiment name (default: the job name)")
+
+
 class MetricsSpec(_Section):
     log_every: int = Field(1, ge=1)
     tensorboard: bool = False
+    mlflow: MLflowSpec | None = Field(None, description="also log the run to MLflow (the mlflow package)")
     dir: str = Field(
         "runs", max_length=_MAX_PATH, description="where runs write: metrics.jsonl (and TensorBoard events) under <dir>/<run_id>"
     )

@@ -322,6 +322,11 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         self._tb = self._tensorboard() if spec.metrics.tensorboard and self.rank == 0 else None
+        self._mlflow = None
+        if spec.metrics.mlflow is not None and self.rank == 0:
+            from ._mlflow import MLflowSink
+
+            self._mlflow = MLflowSink(spec, self.output_dir)
         self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
 
@@ -495,6 +500,8 @@ class Trainer:
         if self._tb is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
                 self._tb.add_scalar(key, record[key], record["step"])
+        if self._mlflow is not None:
+            self._mlflow.log(record)
         every = self.spec.metrics.log_every
         if self._log is not None and (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
             self._log(
@@ -520,6 +527,9 @@ class Trainer:
             self._metrics_file = None
         if self._tb is not None:
             self._tb.close()
+        if self._mlflow is not None:
+            self._mlflow.close()
+            self._mlflow = None
         if self._owns_group:
             dist.destroy_process_group()
             self._owns_group = False

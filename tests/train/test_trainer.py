@@ -197,5 +197,5 @@ def test_keep_best_by_validation_loss(ranks, tmp_path):
     assert kept == sorted({best, 8}), (kept, val)
     manifest = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())
     assert manifest["metrics"]["val_loss"] == pytest.approx(val[8])
-    with pytest.raises(Exception, match="keep_best: val_loss needs eval.interval"):
+    with pytest.raises(Exception, match=r"keep_best: val_loss needs eval\.interval"):
         _spec(tmp_path, checkpoint={"keep_best": "val_loss"})
