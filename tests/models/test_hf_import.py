@@ -7,11 +7,10 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+import transformers  # a dev dependency: the reference implementation
 
 from hpservice.models.hf import HFFormatError, llama_config_from_hf, load_hf_weights
 from hpservice.models.llama import Llama
-
-transformers = pytest.importorskip("transformers")  # a dev dependency: present in .ci/run
 
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 

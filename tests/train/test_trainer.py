@@ -199,3 +199,22 @@ def test_keep_best_by_validation_loss(ranks, tmp_path):
     assert manifest["metrics"]["val_loss"] == pytest.approx(val[8])
     with pytest.raises(Exception, match=r"keep_best: val_loss needs eval\.interval"):
         _spec(tmp_path, checkpoint={"keep_best": "val_loss"})
+
+
+def test_mlflow_sink_logs_params_and_every_steps_metrics(ranks, tmp_path, monkeypatch):
+    import mlflow  # a dev dependency (mlflow-skinny)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the file store back, as the sink writes it
+    held_out = {"kind": "synthetic", "seq_len": 32, "global_batch": 8, "seed": 7}
+    spec = _spec(
+        tmp_path, training={"steps": 4}, eval={"data": held_out, "interval": 2, "steps": 1},
+        metrics={"mlflow": {"experiment": "exp-1"}},
+    )  # fmt: skip
+    history = ranks(2).run(_run, spec)[0]
+    (store,) = tmp_path.glob("t-*/mlruns")  # the default: a file store in the run's directory
+    client = mlflow.tracking.MlflowClient(store.resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("exp-1").experiment_id])
+    assert run.info.run_name == store.parent.name and run.info.status == "FINISHED"
+    assert run.data.params["training.steps"] == "4" and run.data.params["model.name"] == "llama"
+    losses = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert losses == [(r["step"], pytest.approx(r["loss"])) for r in history]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [2, 4]
