@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import fsdp, redistribute, service, tp
+from hpservice.bench import fsdp, hf, redistribute, service, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     fsdp.add_parser(sub)
     service.add_parser(sub)
     tp.add_parser(sub)
+    hf.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

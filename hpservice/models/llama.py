@@ -340,15 +340,21 @@ class Llama(nn.Module):
         return self.layers
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the rotary table on the parameters' device (after ``to_empty`` / ``fully_shard``
+        of a meta-built model whose weights come from elsewhere, e.g. a Hugging Face checkpoint)."""
+        device = next(self.parameters()).device
+        self.rope_cache = precompute_rope(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling
+        )
+
+    @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise every parameter in place and recompute the rotary buffer on the parameters' device.
 
         Only ``torch.nn.init.*`` in-place calls on whole parameters, so sharded DTensor parameters work.
         """
-        device = next(self.parameters()).device
-        self.rope_cache = precompute_rope(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling
-        )
+        self.init_buffers()
         std_out = self.cfg.dim**-0.5  # keeps the initial logits at unit scale
         if self.cfg.tie_embeddings:
             if self.output.weight is not self.tok_embeddings.weight:

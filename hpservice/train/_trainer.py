@@ -274,9 +274,11 @@ class Trainer:
                     "size 1) they are not built yet; use dp_shard >= 2 or set them to none/false"
                 )
             self.model.to_empty(device=self.device)
-        init_weights(self.model, self.mesh, spec.training.seed)
         if m.init_from is not None:  # pretrained weights: each rank reads its own slices
+            self.model.init_buffers()
             load_hf_weights(self.model, m.init_from)
+        else:
+            init_weights(self.model, self.mesh, spec.training.seed)
 
         freeze(self.model, spec.training.freeze)
         self.optimizer = build_optimizer(self.model, spec)
