@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             print(e, file=sys.stderr)
             return 1
         print(
-            f"{args.job}: valid job {spec.name!r} ({spec.model.name}/{spec.model.flavor}, {spec.training.steps} steps)"
+            f"{args.job}: valid job {spec.name!r} ("
+            + (f"llama from {spec.model.init_from}" if spec.model.init_from else f"{spec.model.name}/{spec.model.flavor}")
+            + f", {spec.training.steps} steps)"
         )
         return 0
     if args.command == "schema":
