@@ -387,6 +387,7 @@
     loss: new LineChart($("loss-chart"), { label: "Loss", colorVar: "--chart-loss", fmt: fmtNum, readout: $("loss-readout") }),
     lr: new LineChart($("lr-chart"), { label: "Learning rate", colorVar: "--chart-lr", fmt: fmtLr, readout: $("lr-readout") }),
     tps: new LineChart($("tps-chart"), { label: "Tokens per second", colorVar: "--chart-tps", fmt: fmtRate, readout: $("tps-readout") }),
+    val: new LineChart($("val-chart"), { label: "Validation loss", colorVar: "--chart-val", fmt: fmtNum, readout: $("val-readout") }),
   };
 
   // ---------------------------------------------------------------- job list
@@ -549,6 +550,7 @@
     charts.loss.setData(...seriesOf(recs, "loss"));
     charts.lr.setData(...seriesOf(recs, "lr"));
     charts.tps.setData(...seriesOf(recs, "tokens_per_s"));
+    charts.val.setData(...seriesOf(recs, "val_loss")); // eval: every eval.interval steps
     for (const c of Object.values(charts)) c.draw();
     const last = recs[recs.length - 1];
     $("f-loss").textContent = last ? fmtNum(last.loss) : "—";

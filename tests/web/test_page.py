@@ -113,6 +113,7 @@ class FakeJob:
                     "grad_norm": 0.6,
                     "tokens_per_s": 12000.0 + 150 * step,
                     "step_time_s": 0.03,
+                    **({"val_loss": 5.0 * 0.95**step + 0.5} if step % 10 == 0 else {}),  # eval.interval 10
                 },
             )
             if step % 5 == 0:
@@ -294,6 +295,7 @@ def test_page_shows_a_live_job(browser):
         wait(browser, lambda d: "SUCCEEDED" in css(d, ROW).text)
         assert css(browser, '[data-testid="lr-chart"]').get_attribute("data-points") == str(STEPS)
         assert css(browser, '[data-testid="tps-chart"]').get_attribute("data-points") == str(STEPS)
+        assert css(browser, '[data-testid="val-chart"]').get_attribute("data-points") == str(STEPS // 10)
         assert css(browser, '[data-testid="job-step"]').text == f"{STEPS} / {STEPS}"
 
         # checkpoints, restarts with reasons, logs, the Ray link
