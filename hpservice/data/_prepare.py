@@ -1,7 +1,8 @@
 """``hpservice prepare-data``: text and JSONL corpora -> token files, with a Hugging Face tokenizer.
 
-- Inputs: ``*.jsonl`` (one JSON object per line, the document in ``field``, default ``text``)
-  or any other file as one UTF-8 document. Documents are tokenized with a ``tokenizers``
+- Inputs: ``*.jsonl`` (one JSON object per line, the document in ``field``, default ``text``),
+  ``*.parquet`` (the string column ``field``, read in record batches with pyarrow), or any other
+  file as one UTF-8 document. Documents are tokenized with a ``tokenizers``
   ``tokenizer.json`` (its Rust ``encode_batch`` runs on all cores) and joined with the
   tokenizer's end-of-text token between documents.
 - Output: a token file in the format ``TokenFile`` reads (uint16 for vocabularies up to 65536,
@@ -54,7 +55,8 @@ def _documents(inputs: list[Path], field: str) -> Iterator[str]:
         if not path.is_file():
             raise DataPrepError(f"{path}: no such file")
         if path.suffix == ".parquet":
-            raise DataPrepError(f"{path}: Parquet input is not built yet (use JSONL or text)")
+            yield from _parquet_documents(path, field)
+            continue
         if path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as f:
                 for n, line in enumerate(f, start=1):
@@ -73,6 +75,27 @@ def _documents(inputs: list[Path], field: str) -> Iterator[str]:
                 yield path.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
                 raise DataPrepError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _parquet_documents(path: Path, field: str) -> Iterator[str]:
+    """The string column ``field`` of a Parquet file, read in record batches (pyarrow)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataPrepError(f"{path}: Parquet input needs pyarrow (pip install pyarrow)") from None
+    try:
+        handle = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own error types for a file that is not Parquet
+        raise DataPrepError(f"{path}: not a Parquet file ({e})") from None
+    if field not in handle.schema_arrow.names:
+        raise DataPrepError(f"{path}: no column {field!r} (columns: {', '.join(handle.schema_arrow.names)}; use --field)")
+    row = 0
+    for batch in handle.iter_batches(columns=[field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(value, str):
+                raise DataPrepError(f"{path}: row {row}: column {field!r} is not a string ({type(value).__name__})")
+            yield value
 
 
 def train_tokenizer(inputs: list[str | Path], out: str | Path, vocab_size: int, *, field: str = "text") -> Path:

@@ -70,3 +70,23 @@ def test_the_trainer_refuses_a_token_file_the_model_cannot_embed(ranks, tmp_path
         tmp_path / "run2", data={"kind": "tokens", "path": str(out), "seq_len": 16}, model={"overrides": {"vocab_size": 320}}
     )
     assert len(ranks(1).run(train, big)[0]) == 4  # a model whose vocabulary covers it trains
+
+
+def test_parquet_input_reads_the_named_column(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    inputs = _corpus(tmp_path)
+    pq.write_table(pa.table({"id": list(range(5)), "body": DOCS[:5]}), tmp_path / "c.parquet")
+    tok = tmp_path / "tok.json"
+    assert main(["prepare-data", *inputs, "--tokenizer", str(tok), "--out", str(tmp_path / "a.bin"),
+                 "--train-tokenizer", "--vocab-size", "300"]) == 0  # fmt: skip
+    out = tmp_path / "p.bin"
+    assert main(["prepare-data", str(tmp_path / "c.parquet"), "--field", "body", "--tokenizer", str(tok), "--out", str(out)]) == 0
+    tokenizer = Tokenizer.from_file(str(tok))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    tokens = np.fromfile(out, dtype=np.uint16)
+    parts = [tokenizer.decode(list(map(int, p))) for p in np.split(tokens, np.where(tokens == eos)[0] + 1) if p.size]
+    assert [p.removesuffix("<|endoftext|>") for p in parts] == DOCS[:5]
+    assert main(["prepare-data", str(tmp_path / "c.parquet"), "--tokenizer", str(tok), "--out", str(out)]) == 1
+    assert "no column 'text' (columns: id, body; use --field)" in capsys.readouterr().err
