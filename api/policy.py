@@ -77,6 +77,8 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     resume = spec.checkpoint.resume_from
     if resume not in (None, "latest"):
         resume = _checkpoint_input(resume, principal, home, settings, errors, "checkpoint.resume_from")
+    if spec.metrics.wandb is not None and spec.metrics.wandb.mode != "offline":
+        errors.append(("metrics.wandb.mode", "only 'offline' on this server: jobs write their W&B runs in their own directory"))
     if spec.metrics.mlflow is not None and spec.metrics.mlflow.tracking_uri is not None:
         errors.append(("metrics.mlflow.tracking_uri", "not allowed on this server: jobs log to MLflow in their own directory"))
     if errors:

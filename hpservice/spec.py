@@ -265,10 +265,18 @@ class MLflowSpec(_Section):
     experiment: str | None = Field(None, max_length=200, description="experiment name (default: the job name)")
 
 
+class WandbSpec(_Section):
+    project: str | None = Field(None, max_length=200, description="W&B project (default: the job name)")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: written under the run's directory only (wandb sync uploads it later)"
+    )
+
+
 class MetricsSpec(_Section):
     log_every: int = Field(1, ge=1)
     tensorboard: bool = False
     mlflow: MLflowSpec | None = Field(None, description="also log the run to MLflow (the mlflow package)")
+    wandb: WandbSpec | None = Field(None, description="also log the run to Weights & Biases (the wandb package)")
     dir: str = Field(
         "runs", max_length=_MAX_PATH, description="where runs write: metrics.jsonl (and TensorBoard events) under <dir>/<run_id>"
     )

@@ -329,6 +329,11 @@ class Trainer:
             from ._mlflow import MLflowSink
 
             self._mlflow = MLflowSink(spec, self.output_dir)
+        self._wandb = None
+        if spec.metrics.wandb is not None and self.rank == 0:
+            from ._wandb import WandbSink
+
+            self._wandb = WandbSink(spec, self.output_dir)
         self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
 
@@ -504,6 +509,8 @@ class Trainer:
                 self._tb.add_scalar(key, record[key], record["step"])
         if self._mlflow is not None:
             self._mlflow.log(record)
+        if self._wandb is not None:
+            self._wandb.log(record)
         every = self.spec.metrics.log_every
         if self._log is not None and (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
             self._log(
@@ -532,6 +539,9 @@ class Trainer:
         if self._mlflow is not None:
             self._mlflow.close()
             self._mlflow = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._owns_group:
             dist.destroy_process_group()
             self._owns_group = False

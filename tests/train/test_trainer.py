@@ -218,3 +218,13 @@ def test_mlflow_sink_logs_params_and_every_steps_metrics(ranks, tmp_path, monkey
     losses = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
     assert losses == [(r["step"], pytest.approx(r["loss"])) for r in history]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [2, 4]
+
+
+def test_wandb_sink_offline_writes_the_run_in_the_run_directory(ranks, tmp_path):
+    spec = _spec(tmp_path, training={"steps": 3}, metrics={"wandb": {"project": "p1"}})
+    history = ranks(2).run(_run, spec)[0]
+    (run_file,) = tmp_path.glob("t-*/wandb/offline-run-*/run-t-*.wandb")  # in the run's own directory
+    records = run_file.read_bytes()  # W&B's record log: each value is stored as its JSON text
+    for r in history:
+        assert json.dumps(r["loss"]).encode() in records, r["step"]
+    assert b'"training"' in records or b"training" in records  # the spec, as the run's config
