@@ -12,7 +12,8 @@ answers with 422. The rules:
   Relative ``metrics.dir`` / ``checkpoint.dir`` resolve there; absolute paths must stay inside it
   (symlinks and ``..`` are resolved first). Storage URLs are refused, since this server has no
   storage prefix of its own.
-- **Inputs.** ``data.path`` and ``eval.data.path`` must lie under one of the operator's data roots
+- **Inputs.** ``data.path``, ``data.tokenizer`` and their ``eval.data`` twins must lie under one
+  of the operator's data roots
   (``Settings.data_roots``, ``--data-root``); with none configured, the service reads no files.
   ``checkpoint.resume_from`` and ``model.init_from`` may name a checkpoint in one of the owner's
   own job directories (an admin may name any owner's), or one under a data root.
@@ -63,14 +64,12 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     checkpoint_dir = spec.checkpoint.dir
     if checkpoint_dir is not None:
         checkpoint_dir = str(_output(checkpoint_dir, "checkpoint.dir", home, errors))
-    data = spec.data
-    if data.path is not None:
-        path = _input(data.path, "data.path", home, settings, errors)
-        data = data.model_copy(update={"path": str(path)})
+    data = _admit_data(spec.data, "data", home, settings, errors)
     evaluation = spec.eval
-    if evaluation.data is not None and evaluation.data.path is not None:
-        path = _input(evaluation.data.path, "eval.data.path", home, settings, errors)
-        evaluation = evaluation.model_copy(update={"data": evaluation.data.model_copy(update={"path": str(path)})})
+    if evaluation.data is not None:
+        evaluation = evaluation.model_copy(
+            update={"data": _admit_data(evaluation.data, "eval.data", home, settings, errors)}
+        )
     if model.init_from is not None:  # a pretrained checkpoint: an input like resume_from
         checked_init = _checkpoint_input(model.init_from, principal, home, settings, errors, "model.init_from")
         model = model.model_copy(update={"init_from": checked_init})
@@ -95,6 +94,16 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
         }
     )
     return checked.with_run(job_id)
+
+
+def _admit_data(data, field: str, home: Path, settings: Settings, errors: list):
+    """A data section's input files (the data, its tokenizer) checked against the data roots."""
+    update = {}
+    for key in ("path", "tokenizer"):
+        value = getattr(data, key)
+        if value is not None:
+            update[key] = str(_input(value, f"{field}.{key}", home, settings, errors))
+    return data.model_copy(update=update)
 
 
 def _admit_model(spec: JobSpec, settings: Settings, errors: list):

@@ -141,6 +141,12 @@ class DataSpec(_Section):
         "synthetic", description="synthetic tokens, a .bin token file, or a text file"
     )
     path: str | None = Field(None, max_length=_MAX_PATH, description="file for kind 'tokens' or 'text'")
+    tokenizer: str | None = Field(
+        None,
+        max_length=_MAX_PATH,
+        description="kind 'text': a Hugging Face tokenizer.json to tokenize it with (once, into the run's "
+        "directory); default the byte-level tokenizer (vocabulary 256)",
+    )
     vocab_size: int | None = Field(None, gt=0, description="vocabulary size (synthetic data; defaults to the model's)")
     seq_len: int = Field(64, gt=1, description="tokens per sample")
     global_batch: int = Field(8, gt=0, description="samples per optimizer step, over all data-parallel ranks")
@@ -150,6 +156,8 @@ class DataSpec(_Section):
     def _path_for_files(self):
         if self.kind in ("tokens", "text") and not self.path:
             raise ValueError(f"data.path is required for kind {self.kind!r}")
+        if self.tokenizer is not None and self.kind != "text":
+            raise ValueError(f"data.tokenizer applies to kind 'text' (a 'tokens' file is already tokenized), not {self.kind!r}")
         return self
 
 

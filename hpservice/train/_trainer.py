@@ -137,6 +137,16 @@ def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
         module.register_parameter(name, nn.Parameter(param.detach().to_local(), requires_grad=param.requires_grad))
 
 
+def _file_key(path: str, tokenizer: str) -> str:
+    """Names a tokenized copy: the text file's size and mtime and the tokenizer's bytes."""
+    import hashlib
+
+    st = Path(path).stat()
+    h = hashlib.sha256(f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(Path(tokenizer).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _check_token_metadata(path: str, vocab: int | None) -> None:
     """A token file from ``hpservice prepare-data`` carries its tokenizer's vocabulary and dtype:
     refuse one the model cannot embed, or one whose dtype differs from what the reader infers."""
@@ -294,23 +304,12 @@ class Trainer:
             self.flops_per_token = 6 * num_params(self.model)
         if spec.data.kind == "synthetic" and vocab is None:
             raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
-        if spec.data.kind == "tokens":
-            _check_token_metadata(spec.data.path, vocab)
+        run_dir = Path(spec.run_dir())
         self.eval_data = None
         if spec.eval.interval:
-            e = spec.eval.data
-            if e.kind == "tokens":
-                _check_token_metadata(e.path, vocab)
-            self.eval_data = build_source(
-                e.kind, path=e.path, vocab_size=vocab if e.kind != "text" else None, seed=e.seed
-            )
-        self.data = build_source(
-            spec.data.kind,
-            path=spec.data.path,
-            vocab_size=vocab if spec.data.kind != "text" else None,
-            seed=spec.data.seed,
-        )
-        self.output_dir = Path(spec.run_dir())
+            self.eval_data = self._source(spec.eval.data, vocab, run_dir)
+        self.data = self._source(spec.data, vocab, run_dir)
+        self.output_dir = run_dir
         self.step = 0
 
         c = spec.checkpoint
@@ -336,6 +335,33 @@ class Trainer:
             self._wandb = WandbSink(spec, self.output_dir)
         self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
+
+    def _source(self, d, vocab: int | None, run_dir: Path):
+        """The token source of a data section. Text with ``tokenizer``: rank 0 tokenizes it once
+        into a token file in the run's directory (``prepare-data``'s format; reused by restarts
+        of the run) while the others wait, then every rank reads that file."""
+        if d.kind == "text" and d.tokenizer is not None:
+            from hpservice.data import prepare_data
+
+            for what, path in (("data.path", d.path), ("data.tokenizer", d.tokenizer)):
+                if not Path(path).is_file():  # every rank sees it: they all stop with this reason
+                    raise TrainingError(f"{what}: {path}: no such file")
+            cache = run_dir / "data" / f"{Path(d.path).name}.{_file_key(d.path, d.tokenizer)}.bin"
+            failure = [None]  # rank 0's error, if any, so every rank stops with it (no rank waits forever)
+            if self.rank == 0 and not cache.exists():
+                try:
+                    prepare_data([d.path], cache, d.tokenizer)
+                except (ValueError, OSError) as e:
+                    failure = [str(e)]
+            if self.world > 1:
+                dist.broadcast_object_list(failure, src=0)
+            if failure[0] is not None:
+                raise TrainingError(f"data.tokenizer: {failure[0]}")
+            _check_token_metadata(str(cache), vocab)
+            return build_source("tokens", path=cache, vocab_size=vocab, seed=d.seed)
+        if d.kind == "tokens":
+            _check_token_metadata(d.path, vocab)
+        return build_source(d.kind, path=d.path, vocab_size=vocab if d.kind != "text" else None, seed=d.seed)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _resume(self, resume_from: str) -> None:

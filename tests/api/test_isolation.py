@@ -112,6 +112,8 @@ def test_input_files_only_from_the_operators_data_roots(tmp_path):
         _rejected(c, _spec(data={**text, "path": str(root / "leak.txt")}), "data.path", "outside")  # symlink out
         held_out = {"data": {**text, "path": "/etc/passwd"}, "interval": 1}
         _rejected(c, _spec(eval=held_out), "eval.data.path", "outside the allowed data roots")
+        tokenized = {**text, "path": str(root / "corpus.txt"), "tokenizer": "/etc/passwd"}
+        _rejected(c, _spec(data=tokenized), "data.tokenizer", "outside the allowed data roots")
         ok = c.post("/v1/jobs", json=_spec(data={**text, "path": str(root / "corpus.txt")}), headers=_auth(ALICE))
         assert ok.status_code == 201, ok.text
 

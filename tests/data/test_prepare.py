@@ -90,3 +90,27 @@ def test_parquet_input_reads_the_named_column(tmp_path, capsys):
     assert [p.removesuffix("<|endoftext|>") for p in parts] == DOCS[:5]
     assert main(["prepare-data", str(tmp_path / "c.parquet"), "--tokenizer", str(tok), "--out", str(out)]) == 1
     assert "no column 'text' (columns: id, body; use --field)" in capsys.readouterr().err
+
+
+def test_a_job_tokenizes_its_text_with_data_tokenizer(ranks, tmp_path):
+    """data: {kind: text, tokenizer: tokenizer.json}: rank 0 tokenizes the text once into the run's
+    directory, every rank trains on it; the same tokens as prepare-data gives."""
+    from tests._jobs import tiny_llama_job, train
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(DOCS * 3))
+    tok = tmp_path / "tok.json"
+    assert main(["prepare-data", str(corpus), "--tokenizer", str(tok), "--out", str(tmp_path / "ref.bin"),
+                 "--train-tokenizer", "--vocab-size", "300"]) == 0  # fmt: skip
+    data = {"kind": "text", "path": str(corpus), "tokenizer": str(tok), "seq_len": 16}
+    spec = tiny_llama_job(tmp_path / "run", data=data, model={"overrides": {"vocab_size": 320}})
+    assert len(ranks(2).run(train, spec)[0]) == 4
+    (cache,) = (tmp_path / "run").glob("t-*/data/corpus.txt.*.bin")
+    assert np.array_equal(np.fromfile(cache, dtype=np.uint16), np.fromfile(tmp_path / "ref.bin", dtype=np.uint16))
+    missing = tiny_llama_job(tmp_path / "run2", data={**data, "tokenizer": str(tmp_path / "missing.json")})
+    with pytest.raises(Exception, match=r"(?s)rank 0 raised.*data\.tokenizer: .*no such file.*rank 1 raised"):
+        ranks(2).run(train, missing)
+    (tmp_path / "bad.json").write_text("{not a tokenizer")
+    broken = tiny_llama_job(tmp_path / "run3", data={**data, "tokenizer": str(tmp_path / "bad.json")})
+    with pytest.raises(Exception, match=r"(?s)rank 0 raised.*cannot load a tokenizers tokenizer\.json.*rank 1 raised"):
+        ranks(2).run(train, broken)  # both ranks stop with rank 0's reason (none waits for it)
