@@ -90,6 +90,10 @@ def test_a_frozen_coordinator_never_stalls_another_job(cluster, tmp_path):
     assert "unhealthy: its coordinator has not answered for 1 s" in frozen["message"]
     _in_thread(lambda: sup.cancel(store.get_job("frozen-1")))  # the route returns at once
     _in_thread(lambda: sup.cancel(store.get_job("healthy-1")))
+    # The stop request is sent without waiting: it reaches the (threaded) actor soon, not at once.
+    deadline = time.monotonic() + 60
+    while ray.get(healthy.stop_requests.remote(), timeout=30) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert ray.get(healthy.stop_requests.remote(), timeout=30) == 1
     for actor in (frozen_actor, healthy):
         ray.kill(actor)
