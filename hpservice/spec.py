@@ -167,6 +167,14 @@ class TrainingSpec(_Section):
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (gradients sync on the last only)")
     max_grad_norm: float | None = Field(1.0, gt=0, description="global gradient clipping norm; null disables clipping")
     skip_nonfinite: bool = Field(False, description="skip a step whose loss is NaN/inf instead of failing the run")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="recompute activations in backward: full (every block), selective (every selective_every-th "
+        "block, or op-level: keep matmul and attention outputs, recompute the rest)",
+    )
+    selective_every: int | None = Field(
+        None, ge=1, description="selective: checkpoint every k-th block; null: op-level selective checkpointing"
+    )
     freeze: list[str] = Field(
         default_factory=list,
         max_length=256,

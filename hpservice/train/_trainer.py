@@ -93,6 +93,50 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return mesh[names] if names else None
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """Op-level selective checkpointing (torchtitan's "op" mode): keep matmul and attention
+    outputs, recompute the cheap pointwise and normalisation ops in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}  # fmt: skip
+
+
+def apply_activation_checkpointing(model: nn.Module, spec: JobSpec) -> None:
+    """Recompute blocks' activations in backward (``training.activation_checkpointing``). The
+    block's ``forward`` is wrapped in place (non-reentrant ``torch.utils.checkpoint``), so
+    parameter names, checkpoints and fully_shard's module hooks stay as they are: the hooks run
+    outside the recomputed region, as with torchtitan's wrapper under fully_shard."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    t = spec.training
+    if t.activation_checkpointing == "none":
+        return
+    context_fn = None
+    if t.activation_checkpointing == "selective" and t.selective_every is None:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    for i, block in enumerate(model.layers):
+        if t.activation_checkpointing == "selective" and t.selective_every is not None and i % t.selective_every:
+            continue
+        kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn is not None else {})
+        block.forward = functools.partial(checkpoint, functools.partial(_recomputable, block, block.forward), **kwargs)
+
+
+def _recomputable(block: nn.Module, forward, *args, **kwargs):
+    """The block's forward; when autograd recomputes it in backward, fully_shard's parameters are
+    gathered first (the recompute runs inside the block, where no module hook fires)."""
+    if torch._C._current_graph_task_id() != -1 and hasattr(block, "unshard"):
+        block.unshard()
+    return forward(*args, **kwargs)
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
     """fully_shard each block, then the root (embeddings, final norm, head)."""
     p = spec.parallelism
@@ -274,6 +318,7 @@ class Trainer:
         self.model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
         if self.tp:
             apply_tp(self.model, self.mesh["tp"], spec)
+        apply_activation_checkpointing(self.model, spec)  # after tp, before fully_shard (torchtitan's order)
         self.fsdp = self.dp_mesh is not None
         if self.fsdp:
             apply_fsdp(self.model, self.dp_mesh, spec)

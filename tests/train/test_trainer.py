@@ -228,3 +228,44 @@ def test_wandb_sink_offline_writes_the_run_in_the_run_directory(ranks, tmp_path)
     for r in history:
         assert json.dumps(r["loss"]).encode() in records, r["step"]
     assert b"training" in records  # the spec, as the run's config
+
+
+def _losses_and_grad_norms(spec):
+    return [(r["loss"], r["grad_norm"]) for r in _run(spec)]
+
+
+@pytest.mark.parametrize(
+    "ac", [{"activation_checkpointing": "full"}, {"activation_checkpointing": "selective", "selective_every": 2},
+           {"activation_checkpointing": "selective"}],
+    ids=["full", "every-2nd", "op-level"],
+)  # fmt: skip
+@pytest.mark.parametrize(("world", "parallelism"), [(2, {}), (4, {"tp": 2})], ids=["fsdp2", "fsdp2xtp2"])
+def test_activation_checkpointing_changes_nothing_but_memory(ranks, tmp_path, ac, world, parallelism):
+    """Loss and (global) gradient norm of every step equal the run without checkpointing (fp32)."""
+    plain = ranks(world).run(_losses_and_grad_norms, _spec(tmp_path / "a", parallelism=parallelism))[0]
+    spec = _spec(tmp_path / "b", parallelism=parallelism, training={"steps": 4, **ac})
+    checkpointed = ranks(world).run(_losses_and_grad_norms, spec)[0]
+    for (la, ga), (lb, gb) in zip(plain, checkpointed, strict=True):
+        assert la == pytest.approx(lb, abs=1e-6) and ga == pytest.approx(gb, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("ac", "calls"),
+    [({}, [1, 1, 1, 1]), ({"activation_checkpointing": "full"}, [2, 2, 2, 2]),
+     ({"activation_checkpointing": "selective", "selective_every": 2}, [2, 1, 2, 1]),
+     ({"activation_checkpointing": "selective"}, [2, 2, 2, 2])],
+    ids=["none", "full", "every-2nd", "op-level"],
+)  # fmt: skip
+def test_activation_checkpointing_recomputes_the_chosen_blocks(ac, calls):
+    """The blocks it names run their forward again in backward (counted at a child module)."""
+    from hpservice.models.llama import Llama, LlamaConfig
+    from hpservice.spec import parse_job
+    from hpservice.train._trainer import apply_activation_checkpointing
+
+    model = Llama(LlamaConfig(n_layers=4))
+    apply_activation_checkpointing(model, parse_job({"name": "x", "training": ac}))
+    counts = [0] * 4
+    for i, block in enumerate(model.layers):
+        block.attention_norm.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+    assert counts == calls
