@@ -1,6 +1,7 @@
 """The ``hpservice`` command line.
 
-Local commands: ``demo``, ``version``, ``run``, ``validate``, ``schema``, ``export``, ``serve``. Commands
+Local commands: ``demo``, ``version``, ``run``, ``validate``, ``schema``, ``export``, ``prepare-data``,
+``generate``, ``serve``. Commands
 that talk to a running control plane (``hpservice serve``) over HTTP: ``submit``, ``list``,
 ``status``, ``watch``, ``logs``, ``cancel``, ``checkpoints``, ``delete``; each takes ``--url``
 (default ``HPSERVICE_URL``, else ``http://127.0.0.1:8000``), ``--token`` (default
