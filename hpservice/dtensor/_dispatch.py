@@ -141,24 +141,18 @@ def _local_operands(func, args: tuple, decision, dts, info: _OpInfo) -> tuple[li
     local_args = []
     for i, a in enumerate(args):
         if isinstance(a, DTensor):
-            target = targets[k]
+            local, m = _at_target(func, a, targets[k], i, info)
             k += 1
-            src = a._spec
-            if src is not target and (src.placements != target.placements or src.mesh != target.mesh):
-                a = _move(func, a, target, i, info)
-                moved = True
-            local_args.append(a._wait_local())
+            moved |= m
+            local_args.append(local)
         elif isinstance(a, list | tuple):
             items = []
             for x in a:
                 if isinstance(x, DTensor):
-                    target = targets[k]
+                    local, m = _at_target(func, x, targets[k], i, info)
                     k += 1
-                    src = x._spec
-                    if src is not target and (src.placements != target.placements or src.mesh != target.mesh):
-                        x = _move(func, x, target, i, info)
-                        moved = True
-                    items.append(x._wait_local())
+                    moved |= m
+                    items.append(local)
                 else:
                     if isinstance(x, torch.Tensor) and x.ndim > 0 and not info.per_element:
                         raise _mixed(func, dts, x)
@@ -170,6 +164,14 @@ def _local_operands(func, args: tuple, decision, dts, info: _OpInfo) -> tuple[li
                 raise _mixed(func, dts, a)
             local_args.append(a)
     return local_args, moved
+
+
+def _at_target(func, a: DTensor, target: DTensorSpec, position: int, info: _OpInfo) -> tuple[torch.Tensor, bool]:
+    """(the local tensor of ``a`` in the layout ``target``, whether it had to be redistributed)."""
+    src = a._spec
+    if src is target or (src.placements == target.placements and src.mesh == target.mesh):
+        return a._wait_local(), False
+    return _move(func, a, target, position, info)._wait_local(), True
 
 
 def _move(func, a: DTensor, target: DTensorSpec, position: int, info: _OpInfo) -> DTensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .llama import Attention, Llama, apply_rope
+from .llama import Attention, Llama
 
 __all__ = ["KVCache", "generate", "next_logits"]
 
@@ -36,22 +36,13 @@ class KVCache:
 
 
 def _attention(attn: Attention, x: torch.Tensor, rope: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-    B, S, _ = x.shape
-    q = attn.wq(x).view(B, S, attn.n_heads, attn.head_dim)
-    k = attn.wk(x).view(B, S, attn.n_kv_heads, attn.head_dim)
-    v = attn.wv(x).view(B, S, attn.n_kv_heads, attn.head_dim)
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    start = cache.length
-    k, v = cache.extend(layer, k, v)
-    n_rep = attn.n_heads // attn.n_kv_heads
-    if n_rep > 1:
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    """The model's attention (its own projections) over the cached positions and x's."""
+    q, k, v = attn.qkv(x, rope)
+    start, S = cache.length, x.shape[1]
+    k, v = attn.expand_kv(*cache.extend(layer, k, v))
     # New query i (position start + i) sees keys 0 .. start + i.
-    total = start + S
-    mask = torch.ones(S, total, dtype=torch.bool, device=x.device).tril(diagonal=start)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return attn.wo(out.transpose(1, 2).reshape(B, S, attn.n_heads * attn.head_dim))
+    mask = torch.ones(S, start + S, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
 @torch.no_grad()

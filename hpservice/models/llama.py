@@ -249,25 +249,36 @@ class Attention(nn.Module):
             _init_linear(linear, 0.02)
         _init_linear(self.wo, self.init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries and keys, and values, ``[B, H, S, head_dim]`` (keys/values with the
+        n_kv_heads heads); ``rope`` holds the angles of x's positions."""
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-
         # [B, S, H, D] -> [B, H, S, D], the layout scaled_dot_product_attention expects.
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def expand_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Grouped-query attention: each key/value head serves n_heads // n_kv_heads query heads.
         # Repeating them explicitly works with every SDPA backend (flash, efficient, cuDNN, math).
         n_rep = self.n_heads // self.n_kv_heads
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # no mask is ever materialised
+        return k, v
 
-        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
-        return self.wo(out)
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S, head_dim]`` attention output -> ``[B, S, dim]``."""
+        B, _, S, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x, rope)
+        k, v = self.expand_kv(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # no mask is ever materialised
+        return self.project_out(out)
 
 
 class FeedForward(nn.Module):

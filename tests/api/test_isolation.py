@@ -190,3 +190,14 @@ def test_init_from_reads_only_the_owners_jobs_or_a_data_root(tmp_path):
         _rejected(c, _spec(model={"init_from": "/etc"}), "model.init_from", "nor under an allowed data root")
         ok = c.post("/v1/jobs", json=_spec(model={"init_from": str(root / "llama-hf")}), headers=_auth(ALICE))
         assert ok.status_code == 201 and ok.json()["spec"]["model"]["init_from"] == os.path.realpath(root / "llama-hf")
+
+
+def test_tracking_sinks_stay_inside_the_job(tmp_path):
+    """metrics.mlflow / metrics.wandb must not send a tenant's run anywhere else: an MLflow tracking
+    URI and W&B online mode are refused; the defaults (stores in the job's own directory) pass."""
+    with _client(tmp_path) as c:
+        _rejected(c, _spec(metrics={"mlflow": {"tracking_uri": "http://10.0.0.9:5000"}}), "metrics.mlflow.tracking_uri", "not allowed")
+        _rejected(c, _spec(metrics={"mlflow": {"tracking_uri": "sqlite:////etc/x.db"}}), "metrics.mlflow.tracking_uri", "not allowed")
+        _rejected(c, _spec(metrics={"wandb": {"mode": "online"}}), "metrics.wandb.mode", "only 'offline'")
+        ok = c.post("/v1/jobs", json=_spec(metrics={"mlflow": {}, "wandb": {}}), headers=_auth(ALICE))
+        assert ok.status_code == 201, ok.text
