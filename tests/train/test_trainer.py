@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,13 @@ def test_wandb_sink_offline_writes_the_run_in_the_run_directory(ranks, tmp_path)
     spec = _spec(tmp_path, training={"steps": 3}, metrics={"wandb": {"project": "p1"}})
     history = ranks(2).run(_run, spec)[0]
     (run_file,) = tmp_path.glob("t-*/wandb/offline-run-*/run-t-*.wandb")  # in the run's own directory
-    records = run_file.read_bytes()  # W&B's record log: each value is stored as its JSON text
+    # W&B's record log, each value stored as its JSON text; its writer process may still be
+    # flushing after finish() returned on a loaded machine: wait for the last record (bounded).
+    last = json.dumps(history[-1]["loss"]).encode()
+    deadline = time.monotonic() + 120
+    while last not in run_file.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    records = run_file.read_bytes()
     for r in history:
         assert json.dumps(r["loss"]).encode() in records, r["step"]
     assert b"training" in records  # the spec, as the run's config
