@@ -166,6 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         except SpecError as e:
             print(e, file=sys.stderr)
             return 2
+        if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
+            from hpservice.train._compile import check_compile_available
+
+            import torch
+
+            gpu = spec.resources.use_gpu
+            device = "cuda" if gpu is True or (gpu == "auto" and torch.cuda.is_available()) else "cpu"
+            if reason := check_compile_available(device):
+                print(f"{args.job}: {reason}", file=sys.stderr)
+                return 2
         from hpservice.run_local import run_job
 
         return run_job(spec, address=args.address)

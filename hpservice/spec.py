@@ -175,6 +175,11 @@ class TrainingSpec(_Section):
     selective_every: int | None = Field(
         None, ge=1, description="selective: checkpoint every k-th block; null: op-level selective checkpointing"
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block and the loss (torchtitan's per-block compile); FSDP and "
+        "HSDP, not yet tensor parallelism; on CPU needs a C++ compiler",
+    )
     freeze: list[str] = Field(
         default_factory=list,
         max_length=256,
@@ -363,6 +368,15 @@ class JobSpec(_Section):
     def _keep_best_is_measured(self):
         if self.checkpoint.keep_best == "val_loss" and not self.eval.interval:
             raise ValueError("checkpoint.keep_best: val_loss needs eval.interval > 0 (a validation loss)")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_composes(self):
+        if self.training.compile and self.parallelism.tp > 1:
+            raise ValueError(
+                "training.compile with parallelism.tp > 1 is not supported yet: hpservice's DTensor is not a traceable "
+                "tensor subclass (no __tensor_flatten__); compile composes with fully_shard (FSDP, HSDP) only"
+            )
         return self
 
     @model_validator(mode="after")

@@ -38,6 +38,8 @@ from hpservice.models.llama import Llama
 from hpservice.parallel import apply_llama_tp, vocab_parallel_cross_entropy
 from hpservice.spec import JobSpec, new_run_id
 
+from ._activation_checkpointing import apply_activation_checkpointing
+from ._compile import apply_compile, check_compile_available
 from ._grad_norm import clip_grad_norm_
 
 log = logging.getLogger("hpservice.train")
@@ -91,50 +93,6 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The sub-mesh fully_shard shards over (None with tensor parallelism alone)."""
     names = tuple(n for n in mesh.mesh_dim_names if n.startswith("dp_"))
     return mesh[names] if names else None
-
-
-def _save_matmuls(ctx, op, *args, **kwargs):
-    """Op-level selective checkpointing (torchtitan's "op" mode): keep matmul and attention
-    outputs, recompute the cheap pointwise and normalisation ops in backward."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SAVED_OPS = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}  # fmt: skip
-
-
-def apply_activation_checkpointing(model: nn.Module, spec: JobSpec) -> None:
-    """Recompute blocks' activations in backward (``training.activation_checkpointing``). The
-    block's ``forward`` is wrapped in place (non-reentrant ``torch.utils.checkpoint``), so
-    parameter names, checkpoints and fully_shard's module hooks stay as they are: the hooks run
-    outside the recomputed region, as with torchtitan's wrapper under fully_shard."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    t = spec.training
-    if t.activation_checkpointing == "none":
-        return
-    context_fn = None
-    if t.activation_checkpointing == "selective" and t.selective_every is None:
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-    for i, block in enumerate(model.layers):
-        if t.activation_checkpointing == "selective" and t.selective_every is not None and i % t.selective_every:
-            continue
-        kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn is not None else {})
-        block.forward = functools.partial(checkpoint, functools.partial(_recomputable, block, block.forward), **kwargs)
-
-
-def _recomputable(block: nn.Module, forward, *args, **kwargs):
-    """The block's forward; when autograd recomputes it in backward, fully_shard's parameters are
-    gathered first (the recompute runs inside the block, where no module hook fires)."""
-    if torch._C._current_graph_task_id() != -1 and hasattr(block, "unshard"):
-        block.unshard()
-    return forward(*args, **kwargs)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
@@ -264,6 +222,14 @@ def lr_lambda(spec: JobSpec) -> Callable[[int], float]:
     return factor
 
 
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in float32; with tensor parallelism the logits are sharded on
+    the vocabulary and the loss never gathers them."""
+    if isinstance(logits, DTensor):
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def _step_consensus(loss: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
     """One all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop.
 
@@ -296,6 +262,8 @@ class Trainer:
         self._stop = threading.Event()  # set by request_stop, from another thread, on this rank
         self._stopping = False  # agreed by all ranks after a step
         self.device = pick_device(spec)
+        if spec.training.compile and (reason := check_compile_available(self.device.type)):
+            raise TrainingError(reason)  # before any work: not a crash at the first step
         self._owns_group = init_distributed(self.device.type)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if spec.run_id is None:  # run directly (torchrun, tests): rank 0 names the run for all
@@ -318,7 +286,12 @@ class Trainer:
         self.model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
         if self.tp:
             apply_tp(self.model, self.mesh["tp"], spec)
-        apply_activation_checkpointing(self.model, spec)  # after tp, before fully_shard (torchtitan's order)
+        try:  # after tp, before fully_shard (torchtitan's order)
+            apply_activation_checkpointing(self.model, spec)
+            if spec.training.compile:
+                apply_compile(self.model)
+        except ValueError as e:
+            raise TrainingError(str(e)) from e
         self.fsdp = self.dp_mesh is not None
         if self.fsdp:
             apply_fsdp(self.model, self.dp_mesh, spec)
@@ -336,6 +309,7 @@ class Trainer:
             init_weights(self.model, self.mesh, spec.training.seed)
 
         freeze(self.model, spec.training.freeze)
+        self._loss = torch.compile(cross_entropy_loss) if spec.training.compile else cross_entropy_loss
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.model_config_dict = None
@@ -492,11 +466,7 @@ class Trainer:
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
             if self.fsdp:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            logits = self.model(x)
-            if isinstance(logits, DTensor):  # tensor parallelism: logits sharded on the vocabulary
-                loss = vocab_parallel_cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
-            else:
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
+            loss = self._loss(self.model(x), y) / accum
             loss.backward()
             loss_sum += loss.detach()
         loss_value, self._stopping = _step_consensus(loss_sum, self._stop.is_set())
@@ -541,12 +511,7 @@ class Trainer:
             for k in range(e.steps):
                 x, y = self.eval_data.batch(k, self.dp_rank, self.dp_size, e.data.global_batch, e.data.seq_len)
                 x, y = x.to(self.device), y.to(self.device)
-                logits = self.model(x)
-                if isinstance(logits, DTensor):
-                    loss = vocab_parallel_cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                else:
-                    loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                total += loss
+                total += self._loss(self.model(x), y)
         finally:
             self.model.train()
         if self.world > 1:  # each dp rank holds its part's loss (tp ranks the same value): the mean

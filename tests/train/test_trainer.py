@@ -267,7 +267,7 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks(ac, calls):
     """The blocks it names run their forward again in backward (counted at a child module)."""
     from hpservice.models.llama import Llama, LlamaConfig
     from hpservice.spec import parse_job
-    from hpservice.train._trainer import apply_activation_checkpointing
+    from hpservice.train._activation_checkpointing import apply_activation_checkpointing
 
     model = Llama(LlamaConfig(n_layers=4))
     apply_activation_checkpointing(model, parse_job({"name": "x", "training": ac}))
@@ -276,3 +276,48 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks(ac, calls):
         block.attention_norm.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
     model(torch.randint(0, 256, (2, 16))).sum().backward()
     assert counts == calls
+
+
+def _losses(spec):
+    return [r["loss"] for r in _run(spec)]
+
+
+@pytest.mark.parametrize(
+    ("world", "parallelism", "training"),
+    [(2, {}, {}), (4, {"dp_replicate": 2}, {"activation_checkpointing": "selective"})],
+    ids=["fsdp2", "hsdp-op-level-ac"],
+)
+def test_compiled_blocks_train_as_eager(ranks, tmp_path, world, parallelism, training):
+    """training.compile: each block and the loss compiled (inductor on CPU); the loss of every step
+    equals the eager run's within fp32 tolerance, and the compiled graphs really ran."""
+    eager = ranks(world).run(_losses, _spec(tmp_path / "a", parallelism=parallelism))[0]
+    spec = _spec(tmp_path / "b", parallelism=parallelism, training={"compile": True, **training})
+    compiled, graphs = ranks(world).run(_compiled_losses_and_graphs, spec)[0]
+    assert compiled == pytest.approx(eager, abs=1e-5)
+    assert graphs >= 2  # one block graph (shared by the blocks) and the loss
+
+
+def _compiled_losses_and_graphs(spec):
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()  # a rank process may have compiled before: count this run's graphs only
+    torch._dynamo.utils.counters.clear()
+    losses = _losses(spec)
+    return losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compile_rejects_tensor_parallelism_and_a_machine_without_a_compiler(tmp_path, monkeypatch):
+    from hpservice.spec import SpecError
+    from hpservice.train._compile import check_compile_available
+
+    with pytest.raises(SpecError, match="training.compile with parallelism.tp > 1 is not supported yet"):
+        _spec(tmp_path, training={"compile": True}, parallelism={"tp": 2})
+    assert check_compile_available("cpu") is None  # .ci/run's machine has g++ and Python's headers
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+    reason = check_compile_available("cpu")
+    assert reason is not None and "needs a C++ compiler" in reason
+    with pytest.raises(TrainingError, match="needs a C"):
+        Trainer(_spec(tmp_path, training={"compile": True}), log_to_stdout=False)
