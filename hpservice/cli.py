@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             print(e, file=sys.stderr)
             return 2
         if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
-            from hpservice.train._compile import check_compile_available
-
             import torch
+
+            from hpservice.train._compile import check_compile_available
 
             gpu = spec.resources.use_gpu
             device = "cuda" if gpu is True or (gpu == "auto" and torch.cuda.is_available()) else "cpu"

@@ -293,11 +293,22 @@ class WandbSpec(_Section):
     )
 
 
+class ProfileSpec(_Section):
+    start_step: int = Field(3, ge=1, le=INT64[1], description="first profiled step (1-based; earlier steps warm up)")
+    steps: int = Field(2, ge=1, le=100, description="steps in the trace")
+    memory: bool = Field(True, description="on CUDA, also record allocations and write a memory snapshot")
+
+
 class MetricsSpec(_Section):
     log_every: int = Field(1, ge=1)
     tensorboard: bool = False
     mlflow: MLflowSpec | None = Field(None, description="also log the run to MLflow (the mlflow package)")
     wandb: WandbSpec | None = Field(None, description="also log the run to Weights & Biases (the wandb package)")
+    profile: ProfileSpec | None = Field(
+        None,
+        description="torch profiler trace (Chrome/Perfetto JSON) of a few steps per rank, under <run dir>/profile; "
+        "listed and downloadable as the job's artifacts",
+    )
     dir: str = Field(
         "runs", max_length=_MAX_PATH, description="where runs write: metrics.jsonl (and TensorBoard events) under <dir>/<run_id>"
     )
@@ -363,6 +374,10 @@ class JobSpec(_Section):
         if run_id is None:
             raise SpecError("the run is not decided yet (JobSpec.with_run)")
         return f"{self.metrics.dir.rstrip('/')}/{run_id}"
+
+    def artifacts_dir(self, run_id: str | None = None) -> str:
+        """Where a run writes its downloadable artifacts (profiler traces, memory snapshots)."""
+        return f"{self.run_dir(run_id)}/artifacts"
 
     @model_validator(mode="after")
     def _keep_best_is_measured(self):

@@ -12,6 +12,10 @@ Buffers (S = shard group size, C = sum of the parameters' padded per-rank shard 
 - ``rs_in`` (S*C, reduce dtype) and ``rs_out`` (C): reduce-scatter input and output.
 - ``grad_flat`` (C, original dtype, shard device): the sharded gradients are views into it.
 
+Each phase runs under a ``record_function`` label named as FSDP2's (``FSDP::all_gather``,
+``FSDP::all_gather_copy_out``, ``FSDP::reduce_scatter``, ...; with the module's name once the
+root has named its groups), so a profiler trace reads like one of torch's FSDP.
+
 All are allocated once and reused every step (AUDIT 13). The unsharded parameters' storage is
 freed on reshard and regrown before the next use (``untyped_storage().resize_``), which keeps
 every view, and every tensor autograd saved, valid while the memory is returned in between:
@@ -24,6 +28,7 @@ from __future__ import annotations
 import enum
 
 import torch
+from torch.profiler import record_function
 
 from hpservice.dtensor import DTensor
 
@@ -73,6 +78,7 @@ class FSDPParamGroup:
     ):
         self.params = params
         self.mesh = mesh
+        self.fqn = ""  # the module's name in the root, set at the root's lazy init (profiler labels)
         self.state = ShardState.SHARDED
         self.hsdp = mesh.ndim == 2
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -193,15 +199,20 @@ class FSDPParamGroup:
             p.relink(self.flat_shard)
         self._sync_requires_grad()
 
+    def _label(self, phase: str) -> record_function:
+        return record_function(f"FSDP::{phase} ({self.fqn})" if self.fqn else f"FSDP::{phase}")
+
     # ---- unshard / reshard ------------------------------------------------------------------
     def unshard(self) -> None:
         """Issue the all-gather (asynchronous); ``wait_for_unshard`` finishes it."""
         if self.state is not ShardState.SHARDED:
             return
-        _regrow(self.flat_unsharded)
-        if self.ag_in is not self.flat_shard:
-            self.ag_in.copy_(self.flat_shard, non_blocking=True)
-        self._ag_work = all_gather_flat(self.ag_in, self.ag_out, self.shard_group)
+        with self._label("all_gather_copy_in"):
+            _regrow(self.flat_unsharded)
+            if self.ag_in is not self.flat_shard:
+                self.ag_in.copy_(self.flat_shard, non_blocking=True)
+        with self._label("all_gather"):
+            self._ag_work = all_gather_flat(self.ag_in, self.ag_out, self.shard_group)
         self.state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -209,10 +220,12 @@ class FSDPParamGroup:
             self.unshard()
         if self.state is ShardState.UNSHARDING:
             if self._ag_work is not None:
-                self._ag_work.wait()
+                with self._label("all_gather_wait"):
+                    self._ag_work.wait()
                 self._ag_work = None
             gathered = self.ag_out.view(self.world, self.numel)
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
+            preserve_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
+            with self._label("all_gather_copy_out"), torch.no_grad(), preserve_version:
                 for p in self.params:
                     p.copy_out(gathered)
             self.state = ShardState.UNSHARDED
@@ -226,9 +239,10 @@ class FSDPParamGroup:
         if self.state is ShardState.UNSHARDING:
             self.wait_for_unshard()
         if self.state is ShardState.UNSHARDED:
-            for p in self.params:
-                p.swap_to(p.sharded_param)
-            _free(self.flat_unsharded)
+            with self._label("reshard"):
+                for p in self.params:
+                    p.swap_to(p.sharded_param)
+                _free(self.flat_unsharded)
             self.state = ShardState.SHARDED
 
     # ---- backward ---------------------------------------------------------------------------
@@ -262,7 +276,7 @@ class FSDPParamGroup:
 
     def _issue_reduce_scatter(self) -> None:
         flat_in = self.rs_in.view(self.world, self.numel)
-        with torch.no_grad():
+        with self._label("reduce_scatter_copy_in"), torch.no_grad():
             for p in self.params:
                 grad = p.unsharded_param.grad if p.requires_grad else None
                 if grad is None:
@@ -273,7 +287,8 @@ class FSDPParamGroup:
             pre, _ = self._divide_factors()
             if pre != 1.0:
                 self.rs_in.div_(pre)
-        self._rs_work = reduce_scatter_flat(self.rs_in, self.rs_out, self.shard_group)
+        with self._label("reduce_scatter"):
+            self._rs_work = reduce_scatter_flat(self.rs_in, self.rs_out, self.shard_group)
         self._reduce_pending = True
 
     def wait_reduce_scatter(self) -> None:
@@ -281,7 +296,8 @@ class FSDPParamGroup:
         if not self._reduce_pending:
             return
         if self._rs_work is not None:
-            self._rs_work.wait()
+            with self._label("reduce_scatter_wait"):
+                self._rs_work.wait()
             self._rs_work = None
         if self.replicas > 1:
             if self._unreduced is not None:
@@ -295,7 +311,8 @@ class FSDPParamGroup:
                 self._reduce_pending = False
                 return
             self._unreduced = None
-            self._ar_work = all_reduce_flat(self.rs_out, self.replicate_group)
+            with self._label("all_reduce"):
+                self._ar_work = all_reduce_flat(self.rs_out, self.replicate_group)
 
     def finish_reduction(self) -> None:
         """Wait for the all-reduce, post-divide, and accumulate into the sharded DTensor grads."""
@@ -303,10 +320,11 @@ class FSDPParamGroup:
             return
         self._reduce_pending = False
         if self._ar_work is not None:
-            self._ar_work.wait()
+            with self._label("all_reduce_wait"):
+                self._ar_work.wait()
             self._ar_work = None
         _, post = self._divide_factors()
-        with torch.no_grad():
+        with self._label("post_backward_accumulate"), torch.no_grad():
             if post != 1.0:
                 self.rs_out.div_(post)
             for p in self.params:

@@ -21,12 +21,29 @@ lives on the states of one model: two models in one process share nothing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd import Variable
+from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_param_group import FSDPParamGroup
+
+
+def _phase(name: str):
+    """Run a hook under the profiler label FSDP2 gives it (``FSDP::pre_forward``, ...)."""
+
+    def decorate(hook):
+        @functools.wraps(hook)
+        def labelled(self, *args, **kwargs):
+            with record_function(f"FSDP::{name}"):
+                return hook(self, *args, **kwargs)
+
+        return labelled
+
+    return decorate
 
 
 class FSDPState:
@@ -68,7 +85,10 @@ class FSDPState:
                 s = getattr(sub, "_fsdp_state", None)
                 if s is not None and s not in seen:
                     seen.append(s)
+        names = {sub: name for m in self.modules for name, sub in m.named_modules()}
         for s in seen:
+            if s.group is not None:
+                s.group.fqn = names.get(s.modules[0], "")
             if s.root is not None and s.root is not self:
                 raise RuntimeError("fully_shard: a module is part of two FSDP roots")
             s.root = self
@@ -80,6 +100,7 @@ class FSDPState:
         self._states = seen
 
     # ---- forward --------------------------------------------------------------------------
+    @_phase("pre_forward")
     def _pre_forward(self, module, args, kwargs):
         if self.root is None:
             self._lazy_init()
@@ -99,6 +120,7 @@ class FSDPState:
                 target.group.unshard()
         return args, kwargs
 
+    @_phase("post_forward")
     def _post_forward(self, module, args, output):
         if torch._C._current_graph_task_id() != -1:
             # A forward run inside backward is activation checkpointing's recomputation: the
@@ -135,6 +157,7 @@ class FSDPState:
             x.register_hook(self._pre_backward)
         return x
 
+    @_phase("pre_backward")
     def _pre_backward(self, grad):
         root = self.root
         if not root._callback_queued:
@@ -159,6 +182,7 @@ class FSDPState:
         i = order.index(self)
         return [order[i - 1]] if i > 0 else []
 
+    @_phase("root_post_backward")
     def _finalize_backward(self) -> None:
         """End of backward (root): reduce what is left, wait for all reductions, reshard."""
         groups = [s.group for s in self._states if s.group is not None]

@@ -41,6 +41,7 @@ from hpservice.spec import JobSpec, new_run_id
 from ._activation_checkpointing import apply_activation_checkpointing
 from ._compile import apply_compile, check_compile_available
 from ._grad_norm import clip_grad_norm_
+from ._profile import StepProfiler
 
 log = logging.getLogger("hpservice.train")
 
@@ -354,6 +355,10 @@ class Trainer:
             self._wandb = WandbSink(spec, self.output_dir)
         self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
+        self._profiler = None
+        if spec.metrics.profile is not None:
+            self._profiler = StepProfiler(spec.metrics.profile, spec.artifacts_dir(), self.rank, self.device)
+        self._profiler_reported = False
 
     def _source(self, d, vocab: int | None, run_dir: Path):
         """The token source of a data section. Text with ``tokenizer``: rank 0 tokenizes it once
@@ -455,6 +460,18 @@ class Trainer:
         return history
 
     def train_step(self) -> dict:
+        """One optimizer step (inside the profiler's range when ``metrics.profile`` covers it)."""
+        if self._profiler is None:
+            return self._train_step()
+        with self._profiler.step(self.step + 1):
+            record = self._train_step()
+        if self._profiler.written and not self._profiler_reported:
+            self._profiler_reported = True
+            if self._log is not None and self.rank == 0:
+                self._log(f"[{self.spec.name}] profiler: wrote {', '.join(p.name for p in self._profiler.written)} (rank 0) under {self._profiler.out_dir}")
+        return record
+
+    def _train_step(self) -> dict:
         spec = self.spec
         start = time.perf_counter()
         accum = spec.training.grad_accum
@@ -565,6 +582,8 @@ class Trainer:
         return SummaryWriter(str(self.output_dir / "tensorboard"))
 
     def close(self) -> None:
+        if self._profiler is not None:
+            self._profiler.finish()  # a run that ended inside the profiled steps still gets its trace
         if self.checkpoints is not None:
             self.checkpoints.close()
         if self._metrics_file is not None:

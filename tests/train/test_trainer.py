@@ -321,3 +321,18 @@ def test_compile_rejects_tensor_parallelism_and_a_machine_without_a_compiler(tmp
     assert reason is not None and "needs a C++ compiler" in reason
     with pytest.raises(TrainingError, match="needs a C"):
         Trainer(_spec(tmp_path, training={"compile": True}), log_to_stdout=False)
+
+
+def test_profile_writes_a_trace_per_rank_with_fsdp_phases(ranks, tmp_path):
+    """metrics.profile: each rank writes a Chrome trace of the chosen steps, in which the steps
+    and fully_shard's phases are labelled as in torch's FSDP2."""
+    spec = _spec(tmp_path, training={"steps": 4}, metrics={"profile": {"start_step": 2, "steps": 2}})
+    ranks(2).run(_run, spec)
+    traces = sorted(p.name for p in tmp_path.glob("t-*/artifacts/*"))
+    assert traces == ["rank0-steps2-3.trace.json", "rank1-steps2-3.trace.json"]
+    (trace,) = tmp_path.glob("t-*/artifacts/rank0-*.trace.json")
+    names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"train_step#2", "train_step#3"} <= names and "train_step#1" not in names
+    for phase in ("all_gather", "all_gather_copy_out", "reduce_scatter", "reduce_scatter_wait", "pre_backward"):
+        assert any(n.startswith(f"FSDP::{phase}") for n in names), phase
+    assert "FSDP::all_gather (layers.1)" in names  # named by module
