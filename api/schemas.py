@@ -56,6 +56,19 @@ class CheckpointList(BaseModel):
     checkpoints: list[dict[str, Any]]
 
 
+class Artifact(BaseModel):
+    """A file a run wrote for download (profiler trace, memory snapshot)."""
+
+    name: str
+    size: int
+    rank: int | None
+    url: str
+
+
+class ArtifactList(BaseModel):
+    artifacts: list[Artifact]
+
+
 class ExportOut(BaseModel):
     """A job checkpoint exported in Hugging Face format, on the server's storage."""
 

@@ -3,7 +3,7 @@
 Local commands: ``demo``, ``version``, ``run``, ``validate``, ``schema``, ``export``, ``prepare-data``,
 ``generate``, ``serve``. Commands
 that talk to a running control plane (``hpservice serve``) over HTTP: ``submit``, ``list``,
-``status``, ``watch``, ``logs``, ``cancel``, ``checkpoints``, ``delete``; each takes ``--url``
+``status``, ``watch``, ``logs``, ``cancel``, ``checkpoints``, ``artifacts``, ``delete``; each takes ``--url``
 (default ``HPSERVICE_URL``, else ``http://127.0.0.1:8000``), ``--token`` (default
 ``HPSERVICE_TOKEN``) and ``--json`` (machine-readable output).
 
@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_AUTH, EXIT_SERVER, EXIT_CANCELLED = 0, 1, 2, 3, 4, 5, 130
 _STATE_EXIT = {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_FAILED, "CANCELLED": EXIT_CANCELLED}
@@ -304,7 +305,7 @@ def _prepare_data(args) -> int:
 
 # -- service commands (talk to the REST control plane through hpservice.client) -------------------
 
-_SERVICE_COMMANDS = ("submit", "list", "status", "watch", "logs", "cancel", "checkpoints", "delete")
+_SERVICE_COMMANDS = ("submit", "list", "status", "watch", "logs", "cancel", "checkpoints", "artifacts", "delete")
 
 
 def _add_service_commands(sub) -> None:
@@ -353,6 +354,10 @@ def _add_service_commands(sub) -> None:
     p.add_argument("id")
     p = add("checkpoints", "list a job's committed checkpoints")
     p.add_argument("id")
+    p = add("artifacts", "list a job's artifacts (profiler traces, memory snapshots), or download them")
+    p.add_argument("id")
+    p.add_argument("--download", action="append", default=[], metavar="NAME", help="download this artifact ('all': every one)")
+    p.add_argument("-o", "--out", default=".", help="folder to download into (default: the current one)")
     p = add("delete", "delete an ended job and its stored metrics and events")
     p.add_argument("id")
 
@@ -380,6 +385,7 @@ def _run_service_command(args) -> int:
         "logs": _cmd_logs,
         "cancel": _cmd_cancel,
         "checkpoints": _cmd_checkpoints,
+        "artifacts": _cmd_artifacts,
         "delete": _cmd_delete,
     }
     try:
@@ -747,6 +753,7 @@ def _cmd_logs(args) -> int:
         for line in lines:
             print(_json_or_text(line, args.json), flush=True)
         if not args.follow:
+            _note_artifacts(client, args.id)
             return EXIT_OK
         cursor = _LogCursor(lines[-1] if lines else None)
         poll_cursor = _LogCursor(lines[-1] if lines else None)
@@ -774,6 +781,39 @@ def _cmd_logs(args) -> int:
             _follow(client, args.id, on_event, log_poll=log_poll)
         except KeyboardInterrupt:
             return EXIT_CANCELLED
+    return EXIT_OK
+
+
+def _note_artifacts(client, job_id: str) -> None:
+    """After the log lines, on stderr (stdout stays the log): the run's artifacts, if any."""
+    from hpservice.client import ClientError
+
+    try:
+        found = client.artifacts(job_id).get("artifacts", [])
+    except ClientError:  # a server without artifacts: the log lines are what was asked for
+        return
+    if found:
+        names = ", ".join(a["name"] for a in found)
+        print(f"artifacts: {names} (hpservice artifacts {job_id} --download NAME)", file=sys.stderr)
+
+
+# -- artifacts -------------------------------------------------------------------------------------
+
+
+def _cmd_artifacts(args) -> int:
+    with _client(args) as client:
+        found = client.artifacts(args.id).get("artifacts", [])
+        if not args.download:
+            if args.json:
+                print(json.dumps(found))
+            for a in [] if args.json else found:
+                print(f"{a['name']}  {a['size']:,} bytes")
+            return EXIT_OK
+        names = [a["name"] for a in found] if "all" in args.download else args.download
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            print(client.download_artifact(args.id, name, out))
     return EXIT_OK
 
 

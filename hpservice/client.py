@@ -22,6 +22,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -220,6 +221,30 @@ class Client:
     def checkpoints(self, job_id: str) -> dict:
         """``{"checkpoints": [{"step", "path", "time", "metrics"}]}``."""
         return self._request("GET", self._job_path(job_id, "/checkpoints"))
+
+    def artifacts(self, job_id: str) -> dict:
+        """``{"artifacts": [{"name", "size", "rank", "url"}]}``: profiler traces and memory snapshots."""
+        return self._request("GET", self._job_path(job_id, "/artifacts"))
+
+    def download_artifact(self, job_id: str, name: str, dest: str | Path) -> Path:
+        """Stream one artifact to ``dest`` (a file, or a folder to put ``name`` in); returns the file."""
+        dest = Path(dest)
+        if dest.is_dir():
+            dest = dest / name
+        path = self._job_path(job_id, f"/artifacts/{quote(name, safe='')}")
+        try:
+            with self._http.stream("GET", path) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _error_from_response(resp)
+                part = dest.with_name(dest.name + ".part")
+                with open(part, "wb") as f:
+                    for chunk in resp.iter_bytes():
+                        f.write(chunk)
+                part.replace(dest)
+        except (httpx.TransportError, httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
+            raise self._transport_error(e) from None
+        return dest
 
     def health(self) -> dict:
         return self._request("GET", "/healthz")

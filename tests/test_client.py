@@ -214,6 +214,19 @@ def make_app(svc: FakeService) -> FastAPI:
         lines = [ln for ln in svc.logs[job_id] if rank is None or ln["rank"] == rank]
         return {"lines": lines[-tail:] if tail else []}
 
+    @app.get("/v1/jobs/{job_id}/artifacts")
+    def artifacts(job_id: str):
+        if job_id not in svc.jobs:
+            return missing(job_id)
+        names = ["rank0-steps2-3.trace.json"] if job_id == "done-1" else []
+        return {"artifacts": [{"name": n, "size": 19, "rank": 0, "url": f"/v1/jobs/{job_id}/artifacts/{n}"} for n in names]}
+
+    @app.get("/v1/jobs/{job_id}/artifacts/{name}")
+    def artifact(job_id: str, name: str):
+        if job_id != "done-1" or name != "rank0-steps2-3.trace.json":
+            return _err(404, "not_found", f"job {job_id} has no artifact {name!r}")
+        return Response(b'{"traceEvents": []}', media_type="application/json")
+
     @app.get("/v1/jobs/{job_id}/checkpoints")
     def checkpoints(job_id: str):
         return {"checkpoints": svc.jobs[job_id]["checkpoints"]} if job_id in svc.jobs else missing(job_id)
@@ -549,6 +562,19 @@ def test_cli_cancel_checkpoints_delete(fake, capsys):
     assert "409" in capsys.readouterr().err
     assert cli.main(["delete", "done-1", *opts]) == 0
     assert "done-1" not in svc.jobs
+
+
+def test_cli_artifacts_list_and_download(fake, tmp_path, capsys):
+    _, _, opts = fake
+    assert cli.main(["logs", "done-1", *opts]) == 0
+    assert "artifacts: rank0-steps2-3.trace.json" in capsys.readouterr().err  # stdout stays the log
+    assert cli.main(["artifacts", "done-1", *opts]) == 0
+    assert capsys.readouterr().out.strip() == "rank0-steps2-3.trace.json  19 bytes"
+    assert cli.main(["artifacts", "done-1", "--download", "all", "-o", str(tmp_path / "got"), *opts]) == 0
+    assert json.loads((tmp_path / "got" / "rank0-steps2-3.trace.json").read_text()) == {"traceEvents": []}
+    assert cli.main(["artifacts", "done-1", "--download", "nope.json", "-o", str(tmp_path), *opts]) == 3
+    assert "no artifact 'nope.json'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.part"))
 
 
 def test_cli_exit_codes_for_errors(fake, capsys):

@@ -1,4 +1,4 @@
-"""/v1/jobs: submit, list, inspect, cancel, delete; metrics, events (SSE), logs, checkpoints."""
+"""/v1/jobs: submit, list, inspect, cancel, delete; metrics, events (SSE), logs, checkpoints, artifacts."""
 
 from __future__ import annotations
 
@@ -6,17 +6,21 @@ import asyncio
 import base64
 import hashlib
 import json
+import os
+import re
+import stat
+from pathlib import Path
 
 import yaml
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yaml_load
 
 from ..auth import current_principal, visible
 from ..errors import APIError
 from ..policy import admit, job_dir
-from ..schemas import ERRORS, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
+from ..schemas import ERRORS, ArtifactList, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
 from ..settings import Principal
 from ..store import TERMINAL
 
@@ -212,6 +216,62 @@ def logs(
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
 def checkpoints(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
     return {"checkpoints": _job_or_404(request, job_id, principal)["checkpoints"]}
+
+
+ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # flat names only: no path can be built
+
+
+def _artifacts_dir(job: dict) -> Path:
+    """The run's artifacts folder, from the stored (admitted) spec: inside the job's own directory."""
+    return Path(parse_job(job["spec"]).artifacts_dir(job["id"]))
+
+
+def _list_artifacts(folder: Path) -> list[tuple[str, int]]:
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for e in entries:  # regular files only, never through a link
+        if ARTIFACT_NAME.match(e.name) and e.is_file(follow_symlinks=False):
+            out.append((e.name, e.stat(follow_symlinks=False).st_size))
+    return sorted(out)
+
+
+@router.get("/{job_id}/artifacts", response_model=ArtifactList)
+async def artifacts(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
+    """Files the run wrote for download: profiler traces (``*.trace.json``, Chrome/Perfetto) and
+    CUDA memory snapshots (``*.memory.pickle``) from ``metrics.profile``, one per rank."""
+    job = await asyncio.to_thread(_job_or_404, request, job_id, principal)
+    found = await asyncio.to_thread(_list_artifacts, _artifacts_dir(job))
+    rank = re.compile(r"^rank(\d+)-")
+    return {
+        "artifacts": [
+            {
+                "name": name,
+                "size": size,
+                "rank": int(m[1]) if (m := rank.match(name)) else None,
+                "url": f"/v1/jobs/{job_id}/artifacts/{name}",
+            }
+            for name, size in found
+        ]
+    }
+
+
+@router.get("/{job_id}/artifacts/{name}", response_class=FileResponse, responses={200: {"content": {"application/octet-stream": {}}}})
+async def artifact(job_id: str, name: str, request: Request, principal: Principal = Depends(current_principal)):
+    job = await asyncio.to_thread(_job_or_404, request, job_id, principal)
+    if not ARTIFACT_NAME.match(name):
+        raise APIError(404, f"job {job_id} has no artifact {name!r}")
+    path = _artifacts_dir(job) / name
+    try:
+        st = await asyncio.to_thread(os.lstat, path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):  # missing, a folder, or a link: not served
+        raise APIError(404, f"job {job_id} has no artifact {name!r}")
+    media = "application/json" if name.endswith(".json") else "application/octet-stream"
+    return FileResponse(path, media_type=media, filename=name, stat_result=st)
 
 
 @router.post("/{job_id}/checkpoints/{step}/export", response_model=ExportOut)

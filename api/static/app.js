@@ -618,6 +618,54 @@
     $("ckpt-empty").hidden = ckpts.length > 0;
   }
 
+  function fmtBytes(n) {
+    if (!isNum(n)) return "";
+    if (n < 1024) return `${n} B`;
+    if (n < 1 << 20) return `${(n / 1024).toFixed(1)} KiB`;
+    return `${(n / (1 << 20)).toFixed(1)} MiB`;
+  }
+
+  async function downloadArtifact(a) {
+    // a plain link cannot send the bearer token: fetch it, then save the blob
+    const headers = token ? { Authorization: `Bearer ${token}` } : {};
+    const res = await fetch(a.url, { headers, cache: "no-store" });
+    if (!res.ok) {
+      setConn(`Cannot download ${a.name}: ${res.status} ${res.statusText}`, true);
+      return;
+    }
+    const href = URL.createObjectURL(await res.blob());
+    const link = el("a", { href, download: a.name });
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(href), 10000);
+  }
+
+  function renderArtifacts(found) {
+    $("artifacts").replaceChildren(
+      ...found.map((a) => {
+        const link = el("a", { href: a.url, class: "mono" }, a.name);
+        link.addEventListener("click", (ev) => {
+          ev.preventDefault();
+          downloadArtifact(a);
+        });
+        const li = el("li");
+        li.append(link, ` ${fmtBytes(a.size)}`);
+        return li;
+      }),
+    );
+    $("artifacts-empty").hidden = found.length > 0;
+  }
+
+  async function loadArtifacts(c) {
+    try {
+      const found = (await api(`/v1/jobs/${encodeURIComponent(c.id)}/artifacts`)).artifacts || [];
+      if (c === cur) renderArtifacts(found);
+    } catch {
+      // a server without the route, or the job is gone: leave the list as it is
+    }
+  }
+
   function renderLogs() {
     const pre = $("logs");
     if (pre.dataset.count === String(cur.logs.length) && pre.dataset.last === String(cur.logSeq || 0)) return;
@@ -687,6 +735,7 @@
       if (c !== cur || seq !== c.fetchSeq) return;
       c.job = job;
       renderJob();
+      loadArtifacts(c);
     } catch (err) {
       if (c !== cur || err instanceof AuthError) return;
       if (err.status === 404) {

@@ -146,3 +146,32 @@ def test_openapi_publishes_the_job_spec(tmp_path):
         body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]
         assert body["application/json"]["schema"]["$ref"] == "#/components/schemas/JobSpec"
         assert "TrainingSpec" in schema["components"]["schemas"]
+
+
+def test_artifacts_are_listed_and_downloaded_only_from_the_jobs_own_folder(tmp_path):
+    """GET /v1/jobs/{id}/artifacts lists the run's profiler files; a download serves only a regular
+    file directly in that folder: no traversal, no link out, no other owner's job."""
+    from pathlib import Path
+
+    with _client(tmp_path, TOKENS) as c:
+        job = c.post("/v1/jobs", json=SPEC, headers=_auth("t-alice")).json()
+        folder = Path(job["spec"]["metrics"]["dir"]) / job["id"] / "artifacts"
+        assert c.get(f"/v1/jobs/{job['id']}/artifacts", headers=_auth("t-alice")).json() == {"artifacts": []}
+        folder.mkdir(parents=True)
+        (folder / "rank0-steps3-4.trace.json").write_text('{"traceEvents": []}')
+        (folder / "rank1-steps3-4.trace.json").write_text('{"traceEvents": [1]}')
+        secret = tmp_path / "server-secret.txt"
+        secret.write_text("operator's secret")
+        (folder / "link.json").symlink_to(secret)
+        (folder / "sub").mkdir()
+        listed = c.get(f"/v1/jobs/{job['id']}/artifacts", headers=_auth("t-alice")).json()["artifacts"]
+        assert [(a["name"], a["rank"]) for a in listed] == [("rank0-steps3-4.trace.json", 0), ("rank1-steps3-4.trace.json", 1)]
+        r = c.get(listed[1]["url"], headers=_auth("t-alice"))
+        assert r.status_code == 200 and r.json() == {"traceEvents": [1]}
+        assert "rank1-steps3-4.trace.json" in r.headers["content-disposition"]
+        for name in ("link.json", "sub", "..%2F..%2Fserver-secret.txt", "%2E%2E", ".hidden", "missing.json"):
+            r = c.get(f"/v1/jobs/{job['id']}/artifacts/{name}", headers=_auth("t-alice"))
+            assert r.status_code == 404 and "secret" not in r.text, name
+        assert c.get(listed[0]["url"], headers=_auth("t-bob")).status_code == 404  # another owner's job
+        assert c.get(f"/v1/jobs/{job['id']}/artifacts", headers=_auth("t-bob")).status_code == 404
+        assert c.get(listed[0]["url"]).status_code == 401

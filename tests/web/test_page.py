@@ -59,6 +59,7 @@ class FakeJob:
         self.events: list[tuple[int, str, dict]] = []
         self.started = False
         self.stream_queries: list[dict[str, str]] = []
+        self.downloads: list[tuple[str, str | None]] = []  # (artifact, Authorization header)
         self._task: asyncio.Task | None = None
         self.job = {
             "id": JOB_ID,
@@ -145,6 +146,9 @@ class FakeJob:
             await asyncio.sleep(0.02)
 
 
+ARTIFACT = "rank0-steps3-4.trace.json"
+
+
 def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
     app = FastAPI()
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -172,6 +176,21 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
     @app.get("/v1/jobs/{job_id}")
     def get_job(job_id: str, request: Request):
         return denied(request) or (fake.job if job_id == JOB_ID else not_found(job_id))
+
+    @app.get("/v1/jobs/{job_id}/artifacts")
+    def artifacts(job_id: str, request: Request):
+        if (refused := denied(request)) is not None:
+            return refused
+        done = fake.job["state"] == "SUCCEEDED"  # the trace appears once the profiled steps ran
+        url = f"/v1/jobs/{JOB_ID}/artifacts/{ARTIFACT}"
+        return {"artifacts": [{"name": ARTIFACT, "size": 2048, "rank": 0, "url": url}] if done else []}
+
+    @app.get("/v1/jobs/{job_id}/artifacts/{name}")
+    def artifact(job_id: str, name: str, request: Request):
+        if (refused := denied(request)) is not None:
+            return refused
+        fake.downloads.append((name, request.headers.get("authorization")))
+        return JSONResponse({"traceEvents": []})
 
     @app.get("/v1/jobs/{job_id}/events")
     async def events(job_id: str, request: Request):
@@ -306,6 +325,13 @@ def test_page_shows_a_live_job(browser):
         assert "step 30 loss" in css(browser, '[data-testid="logs"]').text
         assert css(browser, '[data-testid="ray-link"]').get_attribute("href") == "http://127.0.0.1:8265/#/actors"
         assert fake.stream_queries == [{}], "one stream, no token in the URL without a token"
+
+        # the profiler trace is listed and downloads through fetch (so a token would go in a header)
+        link = wait(browser, lambda d: css_all(d, '[data-testid="artifacts"] a'))[0]
+        assert link.text == ARTIFACT and "2.0 KiB" in css(browser, '[data-testid="artifacts"]').text
+        link.click()
+        wait(browser, lambda d: fake.downloads)
+        assert fake.downloads == [(ARTIFACT, None)]
 
         browser.save_screenshot(SCREENSHOT)
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
