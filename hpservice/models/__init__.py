@@ -146,12 +146,12 @@ def build_model(
         return _BUILTINS[name].model_cls(cfg)
 
 
-def flops_per_token(cfg: LlamaConfig | MLPConfig, seq_len: int) -> int:
+def flops_per_token(cfg: LlamaConfig | MLPConfig, seq_len: int, *, attention: bool = True) -> int:
     """Training FLOPs per token of a built-in model's config (see ``llama.flops_per_token``)."""
     if isinstance(cfg, LlamaConfig):
-        return llama.flops_per_token(cfg, seq_len)
+        return llama.flops_per_token(cfg, seq_len, attention=attention)
     if isinstance(cfg, MLPConfig):
-        return mlp.flops_per_token(cfg, seq_len)
+        return mlp.flops_per_token(cfg, seq_len, attention=attention)
     raise TypeError(f"flops_per_token: expected LlamaConfig or MLPConfig, got {type(cfg).__name__}")
 
 

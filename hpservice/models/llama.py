@@ -424,7 +424,7 @@ def matmul_params(cfg: LlamaConfig) -> int:
     return cfg.n_layers * (attention + ffn) + cfg.dim * cfg.vocab_size
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
+def flops_per_token(cfg: LlamaConfig, seq_len: int, *, attention: bool = True) -> int:
     """Training FLOPs per token (forward + backward), the standard estimate used for MFU
     (Kaplan et al. 2020; PaLM appendix B; nanoGPT, torchtitan)::
 
@@ -436,8 +436,10 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
       2 * 2 * dim * seq_len FLOPs per token and layer forward, times 3 with the backward. This counts
       the full seq_len x seq_len score matrix even though causal attention needs about half.
 
-    MFU = tokens_per_second * flops_per_token / peak_flops_per_second.
+    MFU = tokens_per_second * flops_per_token / peak_flops_per_second. ``attention=False`` leaves
+    the attention term out (the ``6 * N`` convention some reports use, e.g. nanoGPT's ``6N`` MFU
+    before its attention correction); both are reported in the step metrics.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
+    return 6 * matmul_params(cfg) + (12 * cfg.n_layers * cfg.dim * seq_len if attention else 0)

@@ -102,8 +102,8 @@ class MLPModel(nn.Module):
         return self.head(self.norm(h))
 
 
-def flops_per_token(cfg: MLPConfig, seq_len: int | None = None) -> int:
+def flops_per_token(cfg: MLPConfig, seq_len: int | None = None, *, attention: bool = True) -> int:
     """Training FLOPs per token: 6 * N with N the matmul parameters (blocks + head; the embedding
     is a lookup). No attention, so ``seq_len`` does not matter; it is accepted for symmetry with
-    ``llama.flops_per_token``."""
+    ``llama.flops_per_token`` (as is ``attention``)."""
     return 6 * (cfg.n_layers * 2 * cfg.dim * cfg.hidden + cfg.dim * cfg.vocab_size)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hpservice.spec import JobSpec
 
-_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "val_loss", "val_ppl")
+_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "val_loss", "val_ppl", "mfu", "peak_memory_allocated_gib", "peak_rss_gib")
 
 
 def _flat(data: dict, prefix: str = "") -> dict[str, str]:

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import resource
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from ._activation_checkpointing import apply_activation_checkpointing
 from ._compile import apply_compile, check_compile_available
 from ._grad_norm import clip_grad_norm_
 from ._profile import StepProfiler
+from ._utilisation import Utilisation
 
 log = logging.getLogger("hpservice.train")
 
@@ -318,10 +318,12 @@ class Trainer:
             config = model_config(m.name, m.flavor, m.overrides, m.init_from)
             self.model_config_dict = dataclasses.asdict(config)
             vocab = spec.data.vocab_size or config.vocab_size
-            self.flops_per_token = flops_per_token(config, spec.data.seq_len)
+            flops = flops_per_token(config, spec.data.seq_len)
+            flops_no_attention = flops_per_token(config, spec.data.seq_len, attention=False)
         else:  # a custom factory: the 6N estimate
             vocab = spec.data.vocab_size
-            self.flops_per_token = 6 * num_params(self.model)
+            flops = flops_no_attention = 6 * num_params(self.model)
+        self.utilisation = Utilisation(self.device, spec.parallelism.mixed_precision, flops, flops_no_attention)
         if spec.data.kind == "synthetic" and vocab is None:
             raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
         run_dir = Path(spec.run_dir())
@@ -473,6 +475,7 @@ class Trainer:
 
     def _train_step(self) -> dict:
         spec = self.spec
+        self.utilisation.start_step()
         start = time.perf_counter()
         accum = spec.training.grad_accum
         inputs, targets = self.data.batch(
@@ -509,7 +512,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
-            **self._utilisation(tokens / elapsed),
+            **self.utilisation.record(tokens / elapsed / self.world),
         }
         interval = spec.eval.interval
         if interval and (self.step % interval == 0 or self.step == spec.training.steps):
@@ -538,18 +541,6 @@ class Trainer:
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # ---- metrics ------------------------------------------------------------------------------
-    def _utilisation(self, tokens_per_s: float) -> dict:
-        achieved = self.flops_per_token * tokens_per_s / self.world  # FLOP/s per rank
-        out = {"achieved_tflops_per_rank": achieved / 1e12}
-        if self.device.type == "cuda":
-            peak = _cuda_peak_flops(self.device)
-            out["mfu"] = achieved / peak if peak else None
-            out["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        else:
-            out["mfu"] = None  # no meaningful peak on a CPU: report achieved FLOP/s instead
-            out["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        return out
-
     def _report(self, record: dict) -> None:
         if self.rank != 0:
             return
@@ -558,8 +549,9 @@ class Trainer:
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self._tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
-                self._tb.add_scalar(key, record[key], record["step"])
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(key, record[key], record["step"])
         if self._mlflow is not None:
             self._mlflow.log(record)
         if self._wandb is not None:
@@ -570,6 +562,7 @@ class Trainer:
                 f"[{self.spec.name}] step {record['step']:>5}/{self.spec.training.steps}  loss {record['loss']:.4f}  "
                 f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
                 f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step"
+                + (f"  mfu {record['mfu']:.1%}" if record.get("mfu") is not None else "")
             )
 
     def _tensorboard(self):
@@ -601,11 +594,3 @@ class Trainer:
             dist.destroy_process_group()
             self._owns_group = False
 
-
-def _cuda_peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of common data-centre GPUs; None when unknown."""
-    name = torch.cuda.get_device_name(device)
-    for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("A10", 125e12)):
-        if key in name:
-            return flops
-    return None

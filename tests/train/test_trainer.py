@@ -336,3 +336,30 @@ def test_profile_writes_a_trace_per_rank_with_fsdp_phases(ranks, tmp_path):
     for phase in ("all_gather", "all_gather_copy_out", "reduce_scatter", "reduce_scatter_wait", "pre_backward"):
         assert any(n.startswith(f"FSDP::{phase}") for n in names), phase
     assert "FSDP::all_gather (layers.1)" in names  # named by module
+
+
+def test_every_step_reports_flops_mfu_and_memory(tmp_path):
+    """MFU against the CPU's measured matmul peak; FLOPs per token with and without attention from
+    the model's shape; the resident set size."""
+    from hpservice.models import flops_per_token, model_config
+
+    history = _run(_spec(tmp_path, training={"steps": 2}))
+    cfg = model_config("llama", "tiny")
+    for r in history:
+        assert r["flops_per_token"] == flops_per_token(cfg, 32)
+        assert r["flops_per_token_no_attention"] == flops_per_token(cfg, 32) - 12 * cfg.n_layers * cfg.dim * 32
+        assert r["peak_tflops_per_rank"] > 0 and 0 < r["mfu"] < 1
+        assert r["mfu"] == pytest.approx(r["achieved_tflops_per_rank"] / r["peak_tflops_per_rank"])
+        assert r["mfu_no_attention"] < r["mfu"]
+        assert 0 < r["rss_gib"] <= r["peak_rss_gib"]
+
+
+def test_peak_table_names_the_data_centre_gpus():
+    from hpservice.train._utilisation import table_peak_flops
+
+    assert table_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert table_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert table_peak_flops("NVIDIA H200", "fp32") == 67e12
+    assert table_peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert table_peak_flops("NVIDIA L4", "fp32") == 30.3e12
+    assert table_peak_flops("Tesla T4", "bf16") is None
