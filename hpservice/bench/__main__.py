@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import fsdp, hf, redistribute, service, tp
+from hpservice.bench import checkpoint, fsdp, hf, overhead, redistribute, service, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,10 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="benchmark", required=True)
     redistribute.add_parser(sub)
+    checkpoint.add_parser(sub)
     fsdp.add_parser(sub)
     service.add_parser(sub)
     tp.add_parser(sub)
     hf.add_parser(sub)
+    overhead.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

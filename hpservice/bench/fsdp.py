@@ -3,7 +3,9 @@
 What is measured: whole training steps (``zero_grad``, forward, loss, backward, AdamW ``step``)
 of the same model, from the same initial values, on the same data, in four configurations:
 
-- ``ours``   hpservice.fsdp.fully_shard on an ``hpservice.dtensor`` mesh (each block, then the root)
+- ``ours``   hpservice.fsdp.fully_shard on an ``hpservice.dtensor`` mesh (each block, then the
+  root; the last block with ``reshard_after_forward=False``, torchtitan's default policy, since
+  backward starts with it)
 - ``fsdp2``  torch.distributed.fsdp.fully_shard on a torch mesh, wrapped the same way
 - ``ddp``    torch.nn.parallel.DistributedDataParallel (default buckets)
 - ``single`` one process on the concatenated global batch: the loss every other config must match
@@ -194,8 +196,8 @@ def _wrap_ours(model: nn.Module, world: int) -> nn.Module:
     from hpservice.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+    for i, block in enumerate(model.blocks):  # torchtitan's policy: the last block keeps its params
+        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.blocks) - 1)
     return fully_shard(model, mesh=mesh)
 
 
@@ -204,8 +206,8 @@ def _wrap_fsdp2(model: nn.Module, world: int) -> nn.Module:
     from torch.distributed.tensor import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+    for i, block in enumerate(model.blocks):  # torchtitan's policy: the last block keeps its params
+        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.blocks) - 1)
     return fully_shard(model, mesh=mesh)
 
 

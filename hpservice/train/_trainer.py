@@ -97,15 +97,17 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
-    """fully_shard each block, then the root (embeddings, final norm, head)."""
+    """fully_shard each block, then the root (embeddings, final norm, head). With
+    ``reshard_after_forward`` the last block still keeps its parameters after forward, as
+    torchtitan does: backward starts with it, so freeing them would only gather them again."""
     p = spec.parallelism
     dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p.mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     offload = CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()
-    for block in model.layers:
-        fully_shard(
-            block, mesh=mesh, reshard_after_forward=p.reshard_after_forward, mp_policy=mp, offload_policy=offload
-        )
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks):
+        reshard = p.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
@@ -512,6 +514,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
+            "time": time.time(),  # wall clock at the end of the step (step periods, latency)
             **self.utilisation.record(tokens / elapsed / self.world),
         }
         interval = spec.eval.interval
