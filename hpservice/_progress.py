@@ -16,4 +16,5 @@ def job_progress(console: Console) -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=False,
+        refresh_per_second=2,  # steps take longer than that; rich's default 10 Hz redraw costs the ranks CPU
     )

@@ -32,3 +32,15 @@ def ranks():
     pools = _Pools()
     yield pools
     pools.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests skip, saying why, on a machine without a CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine); scripts/gpu-check runs these on one")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import checkpoint, fsdp, hf, overhead, redistribute, service, tp
+from hpservice.bench import ac, checkpoint, fsdp, gpu, hf, overhead, redistribute, service, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,11 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="benchmark", required=True)
     redistribute.add_parser(sub)
+    ac.add_parser(sub)
     checkpoint.add_parser(sub)
     fsdp.add_parser(sub)
     service.add_parser(sub)
     tp.add_parser(sub)
     hf.add_parser(sub)
+    gpu.add_parser(sub)
     overhead.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -19,6 +19,8 @@ counted on the ranks, and how the per-rank results become one table.
 - ``format_table``: the rows as a text table, driven by a list of ``Column``.
 - ``add_step_options`` / ``steps_and_warmup``: the ``--steps`` ... ``--timeout`` options.
 - ``MLP``: the residual MLP both benches train.
+- ``rss_bytes`` / ``max_rss_bytes`` / ``malloc_trim`` / ``RssSampler``: resident memory now, at
+  its peak, after handing freed heap back, and sampled on a thread while a step runs.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import ctypes
 import math
 import os
+import resource
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -391,3 +396,54 @@ def steps_and_warmup(args: argparse.Namespace, bench: str) -> tuple[int, int] | 
         print(f"{bench}: --steps must be >= 1 and --warmup >= 0")
         return None
     return steps, warmup
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """Current resident set size (Linux ``/proc/self/statm``); ``ru_maxrss`` elsewhere."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return _maxrss_bytes()
+
+
+def _maxrss_bytes() -> int:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib if sys.platform == "darwin" else kib * 1024
+
+
+def malloc_trim() -> None:
+    """Hand freed heap memory back to the OS (glibc), so RSS before a step is the live memory."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class RssSampler:
+    """Polls the RSS on a thread while inside; ``peak`` is the largest value seen. torch ops
+    release the GIL while they run, so the thread samples during forward and backward too."""
+
+    def __init__(self, interval_s: float = 2e-4):
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())

@@ -38,7 +38,7 @@ SIZES = {
 }
 
 
-def _spec(size: str, out: Path):
+def _spec(size: str, out: Path, device: str):
     from hpservice.spec import parse_job
 
     return parse_job(
@@ -47,18 +47,20 @@ def _spec(size: str, out: Path):
             "model": {"name": "llama", "flavor": "tiny", "overrides": SIZES[size]},
             "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 2},
             "training": {"steps": 1},
+            "resources": {"use_gpu": device == "cuda"},
+            "parallelism": {"mixed_precision": "bf16" if device == "cuda" else "none"},
             "metrics": {"dir": str(out / "runs"), "log_every": 1000},
         }
     )
 
 
-def _save_rank(size: str, out: str, repeats: int) -> dict:
+def _save_rank(size: str, out: str, repeats: int, device: str = "cpu") -> dict:
     import torch.distributed as dist
 
     from hpservice.checkpoint import CheckpointManager
     from hpservice.train import Trainer
 
-    trainer = Trainer(_spec(size, Path(out)), log_to_stdout=False)
+    trainer = Trainer(_spec(size, Path(out), device), log_to_stdout=False)
     trainer.train_step()
     managers = {
         "sync": CheckpointManager(Path(out) / "sync", keep=1),
@@ -82,11 +84,11 @@ def _save_rank(size: str, out: str, repeats: int) -> dict:
     return {"blocked": blocked, "background": background, "params": params}
 
 
-def _load_rank(size: str, out: str) -> float:
+def _load_rank(size: str, out: str, device: str = "cpu") -> float:
     from hpservice.checkpoint import CheckpointManager
     from hpservice.train import Trainer
 
-    trainer = Trainer(_spec(size, Path(out) / "load"), log_to_stdout=False)
+    trainer = Trainer(_spec(size, Path(out) / "load", device), log_to_stdout=False)
     t0 = time.perf_counter()
     CheckpointManager(Path(out) / "async", keep=1).load(trainer.model, trainer.optimizer)
     elapsed = time.perf_counter() - t0
@@ -94,10 +96,14 @@ def _load_rank(size: str, out: str) -> float:
     return elapsed
 
 
-def run(size: str = "base", world: int = 2, repeats: int = 3) -> dict:
+def run(size: str = "base", world: int = 2, repeats: int = 3, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory(prefix="hpservice-bench-ckpt-") as out:
-        ranks = run_ranks(_save_rank, world, size, out, repeats, timeout=1800)
-        load_s = run_ranks(_load_rank, 1, size, out, timeout=1800)[0]
+        if device == "cuda":  # one GPU: one process here, with its own NCCL world of one
+            ranks = [_save_rank(size, out, repeats, device)]
+            load_s = _load_rank(size, out, device)
+        else:
+            ranks = run_ranks(_save_rank, world, size, out, repeats, timeout=1800)
+            load_s = run_ranks(_load_rank, 1, size, out, timeout=1800)[0]
         size_bytes = sum(p.stat().st_size for p in (Path(out) / "async").rglob("*") if p.is_file())
 
     def slowest_median(kind: str) -> float:  # per repeat the slowest rank, then the median
@@ -106,7 +112,8 @@ def run(size: str = "base", world: int = 2, repeats: int = 3) -> dict:
     sync_s, async_s = slowest_median("sync"), slowest_median("async")
     return {
         "params": ranks[0]["params"],
-        "world_size": world,
+        "world_size": len(ranks),
+        "device": device,
         "checkpoint_mib": size_bytes / 2**20,
         "sync_save_s": sync_s,
         "async_blocked_s": async_s,
@@ -119,9 +126,11 @@ def run(size: str = "base", world: int = 2, repeats: int = 3) -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
-    r = run(args.size, args.world_size, args.repeats)
+    if args.device == "cuda" and args.world_size != 1:
+        args.world_size = 1  # one GPU per process and this benchmark uses one machine's GPU
+    r = run(args.size, args.world_size, args.repeats, args.device)
     print(
-        f"checkpoint: llama {r['params'] / 1e6:.0f}M parameters + AdamW, {r['world_size']} FSDP ranks (gloo), "
+        f"checkpoint: llama {r['params'] / 1e6:.0f}M parameters + AdamW, {r['world_size']} FSDP ranks ({r['device']}), "
         f"{r['checkpoint_mib']:.0f} MiB per checkpoint, median of {r['repeats']} saves each"
     )
     print(f"{'':30}{'seconds':>10}")
@@ -129,7 +138,8 @@ def _main(args: argparse.Namespace) -> int:
     print(f"{'async save (blocked)':30}{r['async_blocked_s']:>10.2f}")
     print(f"{'  first async save (blocked)':30}{r['async_first_blocked_s']:>10.2f}  (allocates the reused staging buffers)")
     print(f"{'async save (background total)':30}{r['async_background_s']:>10.2f}")
-    print(f"{'load, resharded 2 -> 1':30}{r['load_reshard_s']:>10.2f}")
+    load_label = f"load, resharded {r['world_size']} -> 1"
+    print(f"{load_label:30}{r['load_reshard_s']:>10.2f}")
     print(f"async/sync blocked time: {r['async_blocking_ratio']:.3f}x (goal <= 0.1; DCP's published ~0.04)")
     if args.json:
         print(json.dumps(r))
@@ -141,5 +151,6 @@ def add_parser(sub) -> None:
     p.add_argument("--size", choices=tuple(SIZES), default="base", help="model size (base: ~134M parameters)")
     p.add_argument("--world-size", type=int, default=2, help="FSDP ranks that save (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="saves of each kind, alternating (default 3)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU, bf16, world of one")
     p.add_argument("--json", action="store_true", help="also print one final line of JSON with the results")
     p.set_defaults(run=_main)

@@ -49,14 +49,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
-import os
-import resource
-import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -241,11 +235,11 @@ class _Trainer(h.Trainer):
 
     def rss_step(self, x: torch.Tensor, y: torch.Tensor, barrier: bool) -> None:
         gc.collect()
-        _malloc_trim()
+        h.malloc_trim()
         if barrier:
             dist.barrier()
-        self.rss_before = _rss_bytes()
-        with _RssSampler() as sampler:
+        self.rss_before = h.rss_bytes()
+        with h.RssSampler() as sampler:
             self._record(self.step(x, y))
         self.rss_peak = max(sampler.peak, self.rss_before)
 
@@ -268,57 +262,6 @@ def _count_ours() -> contextlib.AbstractContextManager[dict[str, int]]:
 
 def _count_torch() -> contextlib.AbstractContextManager[dict[str, int]]:
     return count_patched(dist, _TORCH_COLLECTIVES)
-
-
-# ---- memory ----------------------------------------------------------------------------------
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _rss_bytes() -> int:
-    """Current resident set size (Linux ``/proc/self/statm``); ``ru_maxrss`` elsewhere."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except OSError:
-        return _max_rss_bytes()
-
-
-def _max_rss_bytes() -> int:
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib if sys.platform == "darwin" else kib * 1024
-
-
-def _malloc_trim() -> None:
-    """Hand freed heap memory back to the OS (glibc), so RSS before a step is the live memory."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class _RssSampler:
-    """Polls the RSS on a thread while inside; ``peak`` is the largest value seen. torch ops
-    release the GIL while they run, so the thread samples during forward and backward too."""
-
-    def __init__(self, interval_s: float = 2e-4):
-        self.interval_s = interval_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> _RssSampler:
-        self.peak = _rss_bytes()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
 
 
 # ---- per rank --------------------------------------------------------------------------------
@@ -347,7 +290,7 @@ def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
         warmup,
         after=("count_step", "rss_step"),
     )
-    return {"rank": rank, "results": results, "max_rss_bytes": _max_rss_bytes()}
+    return {"rank": rank, "results": results, "max_rss_bytes": h.max_rss_bytes()}
 
 
 # ---- report ----------------------------------------------------------------------------------

@@ -43,13 +43,14 @@ from hpservice.launch import free_port
 SYSTEMS = ("torchrun", "hpservice")
 
 
-def job_spec(flavor: str, workers: int, steps: int, seq_len: int, batch: int) -> dict:
+def job_spec(flavor: str, workers: int, steps: int, seq_len: int, batch: int, gpu: bool = False) -> dict:
     return {
         "name": "overhead",
         "model": {"name": "llama", "flavor": flavor},
         "data": {"kind": "synthetic", "seq_len": seq_len, "global_batch": batch},
         "training": {"steps": steps},
-        "resources": {"workers": workers, "use_gpu": False},
+        "resources": {"workers": workers, "use_gpu": gpu},
+        "parallelism": {"mixed_precision": "bf16" if gpu else "none"},
         "metrics": {"log_every": 10_000},
     }
 
@@ -84,16 +85,18 @@ def periods(records: list[dict], warmup: int) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)][warmup:]
 
 
-def run(flavor: str, workers: int, steps: int, warmup: int, repeats: int, seq_len: int, batch: int) -> dict:
+def run(
+    flavor: str, workers: int, steps: int, warmup: int, repeats: int, seq_len: int, batch: int, gpu: bool = False
+) -> dict:
     runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     with tempfile.TemporaryDirectory(prefix="hpservice-bench-overhead-") as tmp:
         job = Path(tmp) / "job.yaml"
-        job.write_text(yaml.safe_dump(job_spec(flavor, workers, steps, seq_len, batch)))
+        job.write_text(yaml.safe_dump(job_spec(flavor, workers, steps, seq_len, batch, gpu)))
         for i in range(repeats):
             order = SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]
             for system in order:
                 runs[system].append(run_once(system, job, workers, Path(tmp) / f"{system}-{i}", timeout=900))
-    out: dict = {"flavor": flavor, "workers": workers, "steps": steps, "warmup": warmup, "repeats": repeats}
+    out: dict = {"flavor": flavor, "device": "cuda" if gpu else "cpu", "workers": workers, "steps": steps, "warmup": warmup, "repeats": repeats}
     for system in SYSTEMS:
         all_periods = [p for r in runs[system] for p in periods(r["records"], warmup)]
         out[f"{system}_step_ms"] = statistics.median(all_periods) * 1e3
@@ -106,9 +109,9 @@ def run(flavor: str, workers: int, steps: int, warmup: int, repeats: int, seq_le
 
 
 def _main(args: argparse.Namespace) -> int:
-    r = run(args.flavor, args.workers, args.steps, args.warmup, args.repeats, args.seq_len, args.batch)
+    r = run(args.flavor, args.workers, args.steps, args.warmup, args.repeats, args.seq_len, args.batch, args.gpu)
     print(
-        f"overhead: llama {r['flavor']}, {r['workers']} CPU ranks, batch {args.batch} x {args.seq_len} tokens, "
+        f"overhead: llama {r['flavor']}, {r['workers']} {'GPU (bf16)' if args.gpu else 'CPU'} ranks, batch {args.batch} x {args.seq_len} tokens, "
         f"{r['steps']} steps ({r['warmup']} warm-up), {r['repeats']} runs each, alternating"
     )
     print(f"{'':12}{'step ms':>10}{'per run':>22}{'tokens/s':>12}{'first step s':>14}")
@@ -136,5 +139,6 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs of each launcher, alternating (default 2)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
+    p.add_argument("--gpu", action="store_true", help="one GPU per rank, bf16 (resources.use_gpu: true)")
     p.add_argument("--json", action="store_true", help="also print one final line of JSON with the results")
     p.set_defaults(run=_main)
