@@ -1,0 +1,36 @@
+"""The trainer benchmarks (ac, checkpoint, overhead) run end to end on small settings and report
+what they promise. Timings depend on the machine and never go in tests."""
+
+import json
+import subprocess
+import sys
+
+
+def _bench(*args, timeout=600):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpservice.bench", *args, "--json"], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ac_bench_reports_memory_per_mode():
+    out, r = _bench("ac", "--flavor", "tiny", "--batch", "4", "--seq-len", "64", "--steps", "2")
+    assert set(r["rows"]) == {"none", "selective op", "selective 1/2", "full"}
+    rows = r["rows"]
+    assert all(row["tokens_per_s"] > 0 and row["held_bytes"] >= 0 for row in rows.values())
+    assert isinstance(r["full_peak_within_bound"], bool) and "full holds" in out
+
+
+def test_checkpoint_bench_reports_the_async_ratio():
+    out, r = _bench("checkpoint", "--size", "tiny", "--repeats", "2")
+    for key in ("async_blocking_ratio", "sync_save_s", "async_blocked_s", "load_reshard_s"):
+        assert r[key] > 0, key
+    assert r["world_size"] == 2 and "async/sync blocked time" in out
+
+
+def test_overhead_bench_runs_both_launchers():
+    out, r = _bench("overhead", "--flavor", "tiny", "--steps", "8", "--warmup", "2", "--repeats", "1")
+    for key in ("step_time_ratio_vs_torchrun", "torchrun_step_ms", "hpservice_step_ms"):
+        assert r[key] > 0, key
+    assert "hpservice run / torchrun" in out
