@@ -310,7 +310,7 @@ def test_compile_rejects_tensor_parallelism_and_a_machine_without_a_compiler(tmp
     from hpservice.spec import SpecError
     from hpservice.train._compile import check_compile_available
 
-    with pytest.raises(SpecError, match="training.compile with parallelism.tp > 1 is not supported yet"):
+    with pytest.raises(SpecError, match=r"training\.compile with parallelism\.tp > 1 is not supported yet"):
         _spec(tmp_path, training={"compile": True}, parallelism={"tp": 2})
     assert check_compile_available("cpu") is None  # .ci/run's machine has g++ and Python's headers
     monkeypatch.setenv("CXX", "/nonexistent/c++")
