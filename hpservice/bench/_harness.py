@@ -409,10 +409,10 @@ def rss_bytes() -> int:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * _PAGE
     except OSError:
-        return _maxrss_bytes()
+        return max_rss_bytes()
 
 
-def _maxrss_bytes() -> int:
+def max_rss_bytes() -> int:
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib if sys.platform == "darwin" else kib * 1024
 

@@ -363,3 +363,16 @@ def test_peak_table_names_the_data_centre_gpus():
     assert table_peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
     assert table_peak_flops("NVIDIA L4", "fp32") == 30.3e12
     assert table_peak_flops("Tesla T4", "bf16") is None
+
+
+@pytest.mark.parametrize(
+    ("world", "parallelism"),
+    [(4, {"dp_replicate": 2}), (2, {"cpu_offload": True}), (4, {"tp": 2, "sequence_parallel": True})],
+    ids=["hsdp", "cpu-offload", "fsdp2xtp2-sp"],
+)
+def test_full_activation_checkpointing_composes_with_hsdp_offload_and_sp(ranks, tmp_path, world, parallelism):
+    plain = ranks(world).run(_losses_and_grad_norms, _spec(tmp_path / "a", parallelism=parallelism))[0]
+    spec = _spec(tmp_path / "b", parallelism=parallelism, training={"steps": 4, "activation_checkpointing": "full"})
+    checkpointed = ranks(world).run(_losses_and_grad_norms, spec)[0]
+    for (la, ga), (lb, gb) in zip(plain, checkpointed, strict=True):
+        assert la == pytest.approx(lb, abs=1e-6) and ga == pytest.approx(gb, abs=1e-6)
