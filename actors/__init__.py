@@ -17,13 +17,14 @@ import time
 
 import ray
 
-from .coordinator import TERMINAL, Coordinator, coordinator_name, worker_name
+from hpservice.jobs import TERMINAL_STATES
+
+from .coordinator import Coordinator, coordinator_name, worker_name
 
 NAMESPACE = "hpservice"
 
 __all__ = [
     "NAMESPACE",
-    "TERMINAL",
     "JobHandle",
     "connect_ray",
     "coordinator_name",
@@ -94,7 +95,7 @@ class JobHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             status = self.status()
-            if status["state"] in TERMINAL:
+            if status["state"] in TERMINAL_STATES:
                 return status
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.job_id} still {status['state']} after {timeout:.0f} s")

@@ -32,13 +32,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hpservice.jobs import JobState
+
 from .worker import TrainWorker
 
 METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted
 LOG_LINES_PER_RANK = 10_000
 POLL_S = 0.5
-STATES = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "CANCELLING", "SUCCEEDED", "FAILED", "CANCELLED")
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 def coordinator_name(job_id: str) -> str:
@@ -77,7 +77,7 @@ class Coordinator:
         self.spec = JobSpec.model_validate_json(spec_json)
         self._lock = threading.Lock()
         self._history: list[dict] = []
-        self._set_state("QUEUED", "waiting to start")
+        self._set_state(JobState.QUEUED, "waiting to start")
         self._metrics: deque[dict] = deque(maxlen=METRICS_BUFFER)
         self._dropped = 0
         self._logs: dict[int, deque] = {}
@@ -94,7 +94,7 @@ class Coordinator:
 
     # ---- state ------------------------------------------------------------------------------
     def _set_state(self, state: str, message: str = "") -> None:
-        assert state in STATES
+        state = JobState(state)  # one of the vocabulary's, or ValueError
         with self._lock:
             self.state = state
             self._history.append({"state": state, "time": time.time(), "message": message})
@@ -190,20 +190,22 @@ class Coordinator:
         gpus = 1 if use_gpu else 0
         why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
         if why is not None:
-            self._set_state("FAILED", why)
+            self._set_state(JobState.FAILED, why)
             return self.state
         bundle = {"CPU": r.cpus_per_worker, **({"GPU": 1} if gpus else {})}
         self._pg = placement_group([dict(bundle) for _ in range(r.workers)], strategy="PACK", name=f"hp:{self.job_id}")
+        announced = False  # "waiting for resources" is said once, not on every poll
         while not self._wait_ready(self._pg):
             if self._stop_requested:
                 self._teardown()
-                self._set_state("CANCELLED", "cancelled while queued")
+                self._set_state(JobState.CANCELLED, "cancelled while queued")
                 return self.state
-            if self.state != "QUEUED" or self._history[-1]["message"] == "waiting to start":
-                self._set_state("QUEUED", f"waiting for resources: {r.workers} x {bundle}")
+            if not announced:
+                announced = True
+                self._set_state(JobState.QUEUED, f"waiting for resources: {r.workers} x {bundle}")
         attempt = 0
         while True:
-            self._set_state("STARTING" if attempt == 0 else "RESTARTING", f"attempt {attempt + 1}")
+            self._set_state(JobState.STARTING if attempt == 0 else JobState.RESTARTING, f"attempt {attempt + 1}")
             try:
                 outcome = self._run_attempt(resume=attempt > 0, gpus=gpus)
                 self._teardown()
@@ -213,15 +215,15 @@ class Coordinator:
                 self._kill_workers()
                 if self._stop_requested:
                     self._teardown()
-                    self._set_state("CANCELLED", f"cancelled ({e})")
+                    self._set_state(JobState.CANCELLED, f"cancelled ({e})")
                     return self.state
                 if len(self._restarts) >= spec.failure.max_restarts:
                     self._teardown()
-                    self._set_state("FAILED", str(e))
+                    self._set_state(JobState.FAILED, str(e))
                     return self.state
                 self._restarts.append({"time": time.time(), "reason": str(e)})
                 self._gauges["restarts"].set(len(self._restarts), tags={"job": self.job_id, "rank": "0"})
-                self._set_state("RESTARTING", f"restart {len(self._restarts)}/{spec.failure.max_restarts}: {e}")
+                self._set_state(JobState.RESTARTING, f"restart {len(self._restarts)}/{spec.failure.max_restarts}: {e}")
                 time.sleep(min(30.0, 1.0 * 2 ** (len(self._restarts) - 1)))  # back-off
                 attempt += 1
 
@@ -249,7 +251,7 @@ class Coordinator:
             )
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise _Failure(f"workers failed to start: {type(e).__name__}: {e}") from None
-        self._set_state("RUNNING", f"{n} workers, rendezvous {master_addr}:{master_port}")
+        self._set_state(JobState.RUNNING, f"{n} workers, rendezvous {master_addr}:{master_port}")
         stop_sent_at = None
         first_step = None  # the step this attempt started from: until a rank passes it, it is starting up
         while True:
@@ -266,16 +268,16 @@ class Coordinator:
                 raise _Failure(f"rank {errors[0]['rank']} raised: {last}")
             if all(p["done"] for p in polls):
                 if self._stop_requested:
-                    return ("CANCELLED", f"stopped gracefully at step {max(p['step'] for p in polls)}")
-                return ("SUCCEEDED", f"finished {spec.training.steps} steps")
+                    return (JobState.CANCELLED, f"stopped gracefully at step {max(p['step'] for p in polls)}")
+                return (JobState.SUCCEEDED, f"finished {spec.training.steps} steps")
             if self._stop_requested:
                 if stop_sent_at is None:
-                    self._set_state("CANCELLING", "finishing the current step and checkpointing")
+                    self._set_state(JobState.CANCELLING, "finishing the current step and checkpointing")
                     ray.get([w.request_stop.remote() for w in self._workers])
                     stop_sent_at = time.time()
                 elif time.time() - stop_sent_at > self._stop_deadline_s:
                     self._kill_workers()
-                    return ("CANCELLED", f"killed after the {self._stop_deadline_s:g} s stop deadline")
+                    return (JobState.CANCELLED, f"killed after the {self._stop_deadline_s:g} s stop deadline")
                 continue
             step = min(p["step"] for p in polls)
             first_step = step if first_step is None else first_step

@@ -15,7 +15,7 @@ from fastapi.staticfiles import StaticFiles
 from hpservice.spec import JobSpec
 
 from . import errors
-from .routes import health, jobs
+from .routes import health, jobs, states
 from .settings import Settings
 from .store import Store
 from .supervisor import Supervisor, connect
@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(states.router)
 
     if (STATIC / "index.html").is_file():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")

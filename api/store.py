@@ -31,7 +31,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+from hpservice.jobs import JobState
 
 
 class Base(DeclarativeBase):
@@ -167,14 +167,14 @@ class Store:
                     if request_hash is not None and existing.request_hash not in (None, request_hash):
                         return None, False
                     return existing.to_dict(), False
-            history = [{"state": "QUEUED", "time": now, "message": "submitted"}]
+            history = [{"state": JobState.QUEUED, "time": now, "message": "submitted"}]
             row = JobRow(
-                id=job_id, name=name, owner=owner, state="QUEUED", message="submitted", spec_json=json.dumps(spec),
+                id=job_id, name=name, owner=owner, state=JobState.QUEUED, message="submitted", spec_json=json.dumps(spec),
                 created_at=now, updated_at=now, step=0, total_steps=total_steps, restarts=0,
                 history_json=json.dumps(history), idempotency_key=idempotency_key, request_hash=request_hash,
             )  # fmt: skip
             s.add(row)
-            self._add_event(s, job_id, "state", {"state": "QUEUED", "message": "submitted", "restarts": 0, "time": now})
+            self._add_event(s, job_id, "state", {"state": JobState.QUEUED, "message": "submitted", "restarts": 0, "time": now})
             s.commit()
             return row.to_dict(), True
 
@@ -221,7 +221,7 @@ class Store:
 
     def requeue(self, job_id: str, message: str) -> None:
         """Back to QUEUED, not launched: its coordinator is gone but its checkpoints are not."""
-        self.set_state(job_id, "QUEUED", message)
+        self.set_state(job_id, JobState.QUEUED, message)
         with self._write, self.session() as s:
             row = s.get(JobRow, job_id)
             if row is not None:

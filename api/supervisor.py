@@ -31,14 +31,14 @@ from dataclasses import dataclass
 import ray
 
 from actors import JobHandle, connect_ray, init_local_ray, start_job
-from actors.coordinator import TERMINAL, cluster_fit
+from actors.coordinator import cluster_fit
+from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
 from hpservice.spec import parse_job
 
 from .store import Store
 
 log = logging.getLogger("hpservice.api.supervisor")
 
-ACTIVE = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "CANCELLING")
 POLL_TIMEOUT_S = 30.0  # a coordinator that has not answered this long is unhealthy
 
 
@@ -64,6 +64,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_launch = 0.0
+        self._waiting_announced: set[str] = set()  # queued jobs told they wait for resources
         self._lock = threading.RLock()  # launch, cancel and the handle table
 
     def start(self) -> None:
@@ -80,10 +81,10 @@ class Supervisor:
         """Cancel ``job``: one transition, whatever the launch is doing (see the module doc)."""
         with self._lock:
             current = self.store.get_job(job["id"])
-            if current is None or current["state"] in TERMINAL:
+            if current is None or current["state"] in TERMINAL_STATES:
                 return
             if not self.store.is_started(job["id"]):
-                self.store.set_state(job["id"], "CANCELLED", "cancelled before it started")
+                self.store.set_state(job["id"], JobState.CANCELLED, "cancelled before it started")
                 return
             handle = self._handle(job["id"])
         if handle is not None:
@@ -99,7 +100,7 @@ class Supervisor:
             self._stop.wait(self.poll_interval_s)
 
     def tick(self) -> None:
-        jobs = self.store.jobs_in(ACTIVE)
+        jobs = self.store.jobs_in(ACTIVE_STATES)
         self._launch_next([j for j in jobs if not j["started"]])
         self._collect()
         now = time.monotonic()
@@ -126,19 +127,21 @@ class Supervisor:
         r = spec.resources
         gpus = 1 if r.use_gpu is True else 0
         with self._lock:
-            if (self.store.get_job(job["id"]) or {}).get("state") != "QUEUED" or self.store.is_started(job["id"]):
+            if (self.store.get_job(job["id"]) or {}).get("state") != JobState.QUEUED or self.store.is_started(job["id"]):
                 return  # cancelled (or launched) meanwhile
             why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
             if why is not None:
-                self.store.set_state(job["id"], "FAILED", why)
+                self.store.set_state(job["id"], JobState.FAILED, why)
                 return
             free = ray.available_resources()
             if free.get("CPU", 0) + 1e-9 < r.workers * r.cpus_per_worker or free.get("GPU", 0) < r.workers * gpus:
-                if job["message"] == "submitted":
+                if job["id"] not in self._waiting_announced:  # said once, not on every tick
+                    self._waiting_announced.add(job["id"])
                     self.store.set_state(
-                        job["id"], "QUEUED", f"waiting for resources: {r.workers} x {r.cpus_per_worker:g} CPU"
+                        job["id"], JobState.QUEUED, f"waiting for resources: {r.workers} x {r.cpus_per_worker:g} CPU"
                     )
                 return
+            self._waiting_announced.discard(job["id"])
             self._handles[job["id"]] = start_job(spec, job_id=job["id"])
             self.store.mark_started(job["id"])
         self._last_launch = time.monotonic()
@@ -164,7 +167,7 @@ class Supervisor:
                 self.store.requeue(job["id"], f"requeued: its coordinator is gone (the Ray cluster restarted?); it "
                                    f"resumes from its checkpoint of step {step}")  # fmt: skip
             else:
-                self.store.set_state(job["id"], "FAILED", "coordinator lost (the Ray cluster was restarted?)")
+                self.store.set_state(job["id"], JobState.FAILED, "coordinator lost (the Ray cluster was restarted?)")
             return
         coordinator = handle.coordinator
         self._requests[job["id"]] = _Request(
@@ -195,13 +198,13 @@ class Supervisor:
         except ray.exceptions.RayActorError:
             with self._lock:
                 self._handles.pop(job_id, None)
-            self.store.set_state(job_id, "FAILED", "coordinator died")
+            self.store.set_state(job_id, JobState.FAILED, "coordinator died")
             return
         self.store.add_metrics(job_id, update["records"])
         self.store.add_logs(job_id, lines)
         status = update["status"]
         self.store.update_status(job_id, status)
-        if status["state"] in TERMINAL:
+        if status["state"] in TERMINAL_STATES:
             with self._lock:
                 self._handles.pop(job_id, None)
             request.handle.shutdown()

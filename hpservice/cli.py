@@ -7,15 +7,7 @@ that talk to a running control plane (``hpservice serve``) over HTTP: ``submit``
 (default ``HPSERVICE_URL``, else ``http://127.0.0.1:8000``), ``--token`` (default
 ``HPSERVICE_TOKEN``) and ``--json`` (machine-readable output).
 
-Exit codes of the service commands, for scripts::
-
-    0    success (watch and submit --watch: the job SUCCEEDED)
-    1    the job FAILED
-    2    usage or spec error (a bad job file or --url; a 4xx such as 409/422 from the server)
-    3    not found (404)
-    4    authentication or permission error (401/403)
-    5    server or connection error (5xx, timeout, unreachable URL)
-    130  the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)
+Exit codes, for scripts: ``hpservice.jobs.ExitCode`` (``hpservice --help`` lists them).
 """
 
 from __future__ import annotations
@@ -26,27 +18,17 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_AUTH, EXIT_SERVER, EXIT_CANCELLED = 0, 1, 2, 3, 4, 5, 130
-_STATE_EXIT = {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_FAILED, "CANCELLED": EXIT_CANCELLED}
+from hpservice.jobs import EXIT_CODES_HELP, EXIT_FOR_STATE, TERMINAL_STATES, ExitCode, JobState, print_summary
+
 _POLL_INTERVAL_S = 1.0  # watch / logs -f polling when the event stream is unavailable
 
-_EXIT_CODES_HELP = """\
-exit codes (service commands):
-  0    success (watch, submit --watch: the job SUCCEEDED)
-  1    the job FAILED
-  2    usage or spec error (bad job file or --url; a 4xx such as 409/422 from the server)
-  3    not found (404)
-  4    authentication or permission error (401/403)
-  5    server or connection error (5xx, timeout, unreachable URL)
-  130  the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)
-"""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hpservice",
         description="Distributed training service.",
-        epilog=_EXIT_CODES_HELP,
+        epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -320,7 +302,7 @@ def _add_service_commands(sub) -> None:
             help=help,
             description=help,
             parents=[common],
-            epilog=_EXIT_CODES_HELP,
+            epilog=EXIT_CODES_HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
 
@@ -364,14 +346,14 @@ def _add_service_commands(sub) -> None:
 
 def _exit_code(e) -> int:
     if e.code == "bad_url":
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if e.status == 404:
-        return EXIT_NOT_FOUND
+        return ExitCode.NOT_FOUND
     if e.status in (401, 403):
-        return EXIT_AUTH
+        return ExitCode.AUTH
     if 400 <= e.status < 500:
-        return EXIT_USAGE
-    return EXIT_SERVER
+        return ExitCode.USAGE
+    return ExitCode.SERVER
 
 
 def _run_service_command(args) -> int:
@@ -428,7 +410,7 @@ def _cmd_submit(args) -> int:
         spec = load_job(args.job, args.set)
     except SpecError as e:
         print(e, file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     with _client(args) as client:
         job = client.submit(spec.model_dump(mode="json", by_alias=True), idempotency_key=args.idempotency_key)
         if args.json:
@@ -436,7 +418,7 @@ def _cmd_submit(args) -> int:
         else:
             print(f"submitted job {job['id']} ({job['state']})", flush=True)
         if not args.watch:
-            return EXIT_OK
+            return ExitCode.OK
         return _watch(client, job["id"], args.json)
 
 
@@ -452,7 +434,7 @@ def _cmd_list(args) -> int:
         page = client.list(state=args.state, name=args.name, owner=args.owner, limit=args.limit, cursor=args.cursor)
     if args.json:
         _print_json(page)
-        return EXIT_OK
+        return ExitCode.OK
     items = page.get("items", [])
     console = _console()
     if not items:
@@ -475,7 +457,7 @@ def _cmd_list(args) -> int:
         console.print(table)
     if page.get("next_cursor"):
         print(f"more jobs: --cursor {page['next_cursor']}", file=sys.stderr)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _cmd_status(args) -> int:
@@ -485,7 +467,7 @@ def _cmd_status(args) -> int:
         job = client.get(args.id)
     if args.json:
         _print_json(job)
-        return EXIT_OK
+        return ExitCode.OK
     console = _console()
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
@@ -516,7 +498,7 @@ def _cmd_status(args) -> int:
         for h in history:
             hist.add_row(_text(_when(h.get("time"))), _text(h.get("state")), _text(h.get("message") or ""))
         console.print(hist)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _cmd_cancel(args) -> int:
@@ -526,7 +508,7 @@ def _cmd_cancel(args) -> int:
         _print_json(job)
     else:
         print(f"cancel requested for job {job.get('id', args.id)} ({job.get('state')})")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _cmd_delete(args) -> int:
@@ -536,7 +518,7 @@ def _cmd_delete(args) -> int:
         _print_json({"deleted": args.id})
     else:
         print(f"deleted job {args.id}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _cmd_checkpoints(args) -> int:
@@ -546,12 +528,12 @@ def _cmd_checkpoints(args) -> int:
         result = client.checkpoints(args.id)
     if args.json:
         _print_json(result)
-        return EXIT_OK
+        return ExitCode.OK
     ckpts = result.get("checkpoints", [])
     console = _console()
     if not ckpts:
         console.print(f"job {args.id} has no committed checkpoints")
-        return EXIT_OK
+        return ExitCode.OK
     table = Table(box=None, pad_edge=False)
     table.add_column("STEP", justify="right")
     table.add_column("TIME", no_wrap=True)
@@ -562,7 +544,7 @@ def _cmd_checkpoints(args) -> int:
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         table.add_row(_text(c.get("step")), _text(_when(c.get("time"))), _text(c.get("path")), _text(shown))
     console.print(table)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 # -- following a job: the event stream, or polling when it is unavailable -------------------------
@@ -574,7 +556,7 @@ def _follow(client, job_id: str, on_event, *, start_step: int = 0, log_poll=None
     Uses the SSE stream; if it fails (other than on auth), polls ``metrics`` + ``get`` (and
     ``log_poll()``, which returns new log-event dicts) every ``_POLL_INTERVAL_S`` instead.
     """
-    from hpservice.client import TERMINAL_STATES, ClientError
+    from hpservice.client import ClientError
 
     step = start_step
     try:
@@ -613,15 +595,13 @@ def _follow(client, job_id: str, on_event, *, start_step: int = 0, log_poll=None
 
 def _watch(client, job_id: str, as_json: bool) -> int:
     """Follow ``job_id`` to its end (progress bar, or JSON lines); the exit code of its final state."""
-    from hpservice.client import TERMINAL_STATES
-
     job = client.get(job_id)
     if job["state"] in TERMINAL_STATES:
         if as_json:
             _print_json({"id": None, "event": "job", "data": job}, compact=True)
         else:
-            _summary(_console(), job, None)
-        return _STATE_EXIT[job["state"]]
+            print_summary(_console(), job, client.metrics(job_id).get("records", []))
+        return EXIT_FOR_STATE[job["state"]]
     try:
         if as_json:
 
@@ -629,20 +609,20 @@ def _watch(client, job_id: str, as_json: bool) -> int:
                 _print_json(ev, compact=True)
 
             state = _follow(client, job_id, on_event)
-            last = None
+            records = []
         else:
-            state, last = _watch_progress(client, job, _console())
+            state, records = _watch_progress(client, job, _console())
     except KeyboardInterrupt:
         print(f"\nstopped watching job {job_id}; it goes on (`hpservice cancel {job_id}` stops it)", file=sys.stderr)
-        return EXIT_CANCELLED
+        return ExitCode.CANCELLED
     final = client.get(job_id)
     if final.get("state") not in TERMINAL_STATES:
         final["state"] = state
     if as_json:
         _print_json({"id": None, "event": "job", "data": final}, compact=True)
     else:
-        _summary(_console(), final, last)
-    return _STATE_EXIT[final["state"]]
+        print_summary(_console(), final, records)
+    return EXIT_FOR_STATE[final["state"]]
 
 
 def _watch_progress(client, job: dict, console):
@@ -650,7 +630,7 @@ def _watch_progress(client, job: dict, console):
 
     from hpservice._progress import job_progress
 
-    last: dict = {}
+    records: dict[int, dict] = {}  # by step: a restart's replayed steps replace the earlier ones
     with job_progress(console) as progress:
         task = progress.add_task(
             "watch",
@@ -665,8 +645,8 @@ def _watch_progress(client, job: dict, console):
         def on_event(ev):
             data, kind = ev["data"], ev["event"]
             if kind == "metrics":
-                last.clear()
-                last.update(data)
+                if isinstance(data.get("step"), int):
+                    records[data["step"]] = data
                 loss, tps = data.get("loss"), data.get("tokens_per_s")
                 progress.update(
                     task,
@@ -676,35 +656,13 @@ def _watch_progress(client, job: dict, console):
                 )
             elif kind == "state":
                 progress.update(task, state=data.get("state", "?"), restarts=data.get("restarts", 0))
-                if data.get("state") == "RESTARTING" and data.get("message"):
+                if data.get("state") == JobState.RESTARTING and data.get("message"):
                     progress.console.print(Text(f"restarting: {data['message']}"))
             elif kind == "checkpoint":
                 progress.console.print(Text(f"checkpoint at step {data.get('step')}: {data.get('path')}"))
 
         state = _follow(client, job["id"], on_event, start_step=job.get("step", 0))
-    return state, last or None
-
-
-def _summary(console, job: dict, last: dict | None) -> None:
-    from rich.text import Text
-
-    state = job["state"]
-    style = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(state, "bold")
-    line = Text(state, style=style)
-    if job.get("message"):
-        line.append(f": {job['message']}")
-    console.print(line)
-    step = (last or {}).get("step", job.get("step", 0))
-    parts = [f"step {step}/{job.get('total_steps', '?')}"]
-    if last and isinstance(last.get("loss"), int | float):
-        parts.append(f"final loss {last['loss']:.4f}")
-    if last and isinstance(last.get("tokens_per_s"), int | float):
-        parts.append(f"{last['tokens_per_s']:,.0f} tok/s")
-    console.print(Text("  " + ", ".join(parts)))
-    if job.get("restarts"):
-        console.print(Text(f"  restarts: {job['restarts']} ({'; '.join(job.get('restart_reasons') or [])})"))
-    if job.get("checkpoints"):
-        console.print(Text(f"  latest checkpoint: {job['checkpoints'][-1].get('path')}"))
+    return state, [records[k] for k in sorted(records)]
 
 
 # -- logs ------------------------------------------------------------------------------------------
@@ -754,7 +712,7 @@ def _cmd_logs(args) -> int:
             print(_json_or_text(line, args.json), flush=True)
         if not args.follow:
             _note_artifacts(client, args.id)
-            return EXIT_OK
+            return ExitCode.OK
         cursor = _LogCursor(lines[-1] if lines else None)
         poll_cursor = _LogCursor(lines[-1] if lines else None)
 
@@ -780,8 +738,8 @@ def _cmd_logs(args) -> int:
         try:
             _follow(client, args.id, on_event, log_poll=log_poll)
         except KeyboardInterrupt:
-            return EXIT_CANCELLED
-    return EXIT_OK
+            return ExitCode.CANCELLED
+    return ExitCode.OK
 
 
 def _note_artifacts(client, job_id: str) -> None:
@@ -808,13 +766,13 @@ def _cmd_artifacts(args) -> int:
                 print(json.dumps(found))
             for a in [] if args.json else found:
                 print(f"{a['name']}  {a['size']:,} bytes")
-            return EXIT_OK
+            return ExitCode.OK
         names = [a["name"] for a in found] if "all" in args.download else args.download
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         for name in names:
             print(client.download_artifact(args.id, name, out))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _json_or_text(line: dict, as_json: bool) -> str:

@@ -28,10 +28,11 @@ from urllib.parse import quote
 
 import httpx
 
+from hpservice.jobs import TERMINAL_STATES  # re-exported: callers of the client use it
+
 __all__ = ["DEFAULT_URL", "TERMINAL_STATES", "Client", "ClientError"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 
 
 class ClientError(Exception):

@@ -9,8 +9,7 @@ import time
 from rich.console import Console
 
 from hpservice._progress import job_progress
-
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
+from hpservice.jobs import EXIT_FOR_STATE, TERMINAL_STATES, print_summary
 
 
 def connect_ray(address: str | None, cpus_needed: float) -> None:
@@ -29,13 +28,14 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
     """Run ``spec`` to a terminal state, rendering progress; returns the process exit code."""
     import ray
 
-    from actors import TERMINAL, start_job
+    from actors import start_job
 
     console = console or Console()
     connect_ray(address, spec.resources.workers * spec.resources.cpus_per_worker)
     handle = start_job(spec)
     console.print(f"job [bold]{handle.job_id}[/]: {spec.resources.workers} workers, {spec.training.steps} steps")
     last_step, last, interrupts = 0, None, 0
+    records: dict[int, dict] = {}  # by step: a restart's re-run steps replace the earlier ones
     try:
         with job_progress(console) as progress:
             task = progress.add_task("train", total=spec.training.steps, state="QUEUED", loss="-", tps="-", restarts=0)
@@ -44,6 +44,7 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
                     update = handle.poll(since_step=last_step)
                     status = update["status"]
                     if update["records"]:
+                        records.update((r["step"], r) for r in update["records"])
                         last = update["records"][-1]
                         last_step = last["step"]
                     progress.update(
@@ -54,7 +55,7 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
                         tps=f"{last['tokens_per_s']:,.0f}" if last else "-",
                         restarts=status["restarts"],
                     )
-                    if status["state"] in TERMINAL:
+                    if status["state"] in TERMINAL_STATES:
                         break
                     time.sleep(0.5)
                 except KeyboardInterrupt:
@@ -66,21 +67,8 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
                         else "stopping now"
                     )
                     handle.stop(graceful=graceful, deadline_s=60 if graceful else 0)
-        _summary(console, status, last)
-        return EXIT_CODES[status["state"]]
+        print_summary(console, status, [records[k] for k in sorted(records)])
+        return EXIT_FOR_STATE[status["state"]]
     finally:
         handle.shutdown()
         ray.shutdown()
-
-
-def _summary(console: Console, status: dict, last: dict | None) -> None:
-    style = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}[status["state"]]
-    console.print(f"[{style}]{status['state']}[/]: {status['message']}")
-    if last:
-        console.print(
-            f"  step {last['step']}/{status['total_steps']}, final loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tok/s"
-        )
-    if status["restarts"]:
-        console.print(f"  restarts: {status['restarts']} ({'; '.join(status['restart_reasons'])})")
-    if status["checkpoints"]:
-        console.print(f"  latest checkpoint: {status['checkpoints'][-1]['path']}")

@@ -15,6 +15,7 @@ import yaml
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from hpservice.jobs import TERMINAL_STATES
 from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yaml_load
 
 from ..auth import current_principal, visible
@@ -22,7 +23,6 @@ from ..errors import APIError
 from ..policy import admit, job_dir
 from ..schemas import ERRORS, ArtifactList, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
 from ..settings import Principal
-from ..store import TERMINAL
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
 
@@ -183,7 +183,7 @@ def cancel(job_id: str, request: Request, principal: Principal = Depends(current
 @router.delete("/{job_id}", status_code=204)
 def delete(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
     job = _job_or_404(request, job_id, principal)
-    if job["state"] not in TERMINAL:
+    if job["state"] not in TERMINAL_STATES:
         raise APIError(409, f"job {job_id} is {job['state']}; cancel it and wait for it to end first")
     request.app.state.store.delete_job(job_id)
     return Response(status_code=204)
@@ -329,7 +329,7 @@ async def events(
             for seq, kind, data in batch:
                 after = seq
                 yield f"id: {seq}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
-                if kind == "state" and data["state"] in TERMINAL:
+                if kind == "state" and data["state"] in TERMINAL_STATES:
                     return
             if batch:
                 idle = 0.0
@@ -337,7 +337,7 @@ async def events(
             if await request.is_disconnected():
                 return
             job = await asyncio.to_thread(store.get_job, job_id)
-            if job is None or job["state"] in TERMINAL:
+            if job is None or job["state"] in TERMINAL_STATES:
                 return  # deleted, or ended with nothing after Last-Event-ID: the stream is over
             await asyncio.sleep(0.25)
             idle += 0.25

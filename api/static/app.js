@@ -2,7 +2,7 @@
 "use strict";
 
 (() => {
-  const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+  const TERMINAL = new Set(); // filled from GET /v1/job-states before anything is shown
   const TOKEN_KEY = "hpservice.token";
   const REFRESH_MS = 3000;
   const MAX_LOG_LINES = 200;
@@ -943,7 +943,17 @@
     if (!document.hidden) refreshJobs();
   });
 
+  async function loadJobStates() {
+    const res = await fetch("/v1/job-states", { headers: { Accept: "application/json" }, cache: "no-store" });
+    if (!res.ok) throw new Error(`${res.status} ${res.statusText}`);
+    for (const s of (await res.json()).terminal || []) TERMINAL.add(s);
+  }
+
   saveToken(token);
-  onHash(false);
-  refreshJobs();
+  loadJobStates()
+    .catch((err) => setConn(`Cannot load the job states: ${err.message}`, true))
+    .finally(() => {
+      onHash(false);
+      refreshJobs();
+    });
 })();

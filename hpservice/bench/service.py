@@ -175,7 +175,8 @@ def _wait_gone(job_id: str, timeout_s: float = 30.0) -> None:
 
 def measure_ours(name: str, workers: int, steps: int, root: Path, timeout_s: float) -> dict:
     """Submit one job, poll it every ``POLL_S`` until it ends; times in seconds."""
-    from actors import TERMINAL, start_job
+    from actors import start_job
+    from hpservice.jobs import TERMINAL_STATES
     from hpservice.spec import parse_job
 
     spec = parse_job(job_data(name, workers, steps, root))
@@ -201,7 +202,7 @@ def measure_ours(name: str, workers: int, steps: int, root: Path, timeout_s: flo
         handle = start_job(spec, job_id=name)
         try:
             deadline = time.monotonic() + timeout_s
-            while (status := poll(handle))["state"] not in TERMINAL:
+            while (status := poll(handle))["state"] not in TERMINAL_STATES:
                 if time.monotonic() > deadline:
                     raise BenchError(f"job {name} still {status['state']} after {timeout_s:.0f} s")
                 time.sleep(POLL_S)

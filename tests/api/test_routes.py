@@ -175,3 +175,14 @@ def test_artifacts_are_listed_and_downloaded_only_from_the_jobs_own_folder(tmp_p
         assert c.get(listed[0]["url"], headers=_auth("t-bob")).status_code == 404  # another owner's job
         assert c.get(f"/v1/jobs/{job['id']}/artifacts", headers=_auth("t-bob")).status_code == 404
         assert c.get(listed[0]["url"]).status_code == 401
+
+
+def test_job_states_come_from_the_one_vocabulary(tmp_path):
+    from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
+
+    with _client(tmp_path, TOKENS) as c:
+        body = c.get("/v1/job-states").json()  # no token: it is the protocol, not anyone's data
+    assert body["states"] == [s.value for s in JobState]
+    assert set(body["terminal"]) == TERMINAL_STATES and body["active"] == list(ACTIVE_STATES)
+    assert all(JobState(s).is_terminal for s in body["terminal"])
+    assert not any(JobState(s).is_terminal for s in body["active"])

@@ -165,6 +165,12 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
     def not_found(job_id: str) -> JSONResponse:
         return JSONResponse({"error": {"code": "not_found", "message": f"job {job_id} not found"}}, 404)
 
+    @app.get("/v1/job-states")
+    def job_states():  # the server's own vocabulary: the page must not write the states again
+        from api.routes.states import job_states
+
+        return job_states()
+
     @app.get("/")
     def index():
         return FileResponse(STATIC / "index.html")

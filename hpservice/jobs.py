@@ -1,0 +1,105 @@
+"""The job vocabulary, written once: a job's states, the CLI's exit codes, the end-of-run summary.
+
+Every layer takes these from here: the coordinator actor (which moves a job between states),
+the store and the supervisor, the client and the CLI, and the web page (through
+``GET /v1/job-states``). States are ``StrEnum`` members, so they are stored, sent and compared
+as the plain strings they have always been.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "QUEUED"  # accepted, waiting for its turn or for resources
+    STARTING = "STARTING"  # placement group ready, the first attempt's workers starting
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"  # an attempt failed; the next one starts from the latest checkpoint
+    CANCELLING = "CANCELLING"  # asked to stop: finishing the step, checkpointing
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``hpservice run`` and of the service commands (``watch``, ``submit --watch``, ...)."""
+
+    OK = 0  # success; the job SUCCEEDED
+    FAILED = 1  # the job FAILED
+    USAGE = 2  # usage or spec error (a bad job file or --url; a 4xx such as 409/422 from the server)
+    NOT_FOUND = 3  # 404
+    AUTH = 4  # 401/403
+    SERVER = 5  # 5xx, timeout, unreachable URL
+    CANCELLED = 130  # the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)
+
+
+EXIT_FOR_STATE = {JobState.SUCCEEDED: ExitCode.OK, JobState.FAILED: ExitCode.FAILED, JobState.CANCELLED: ExitCode.CANCELLED}
+
+EXIT_CODES_HELP = "exit codes:\n" + "\n".join(
+    f"  {code.value:<4} {text}"
+    for code, text in (
+        (ExitCode.OK, "success (run, watch, submit --watch: the job SUCCEEDED)"),
+        (ExitCode.FAILED, "the job FAILED"),
+        (ExitCode.USAGE, "usage or spec error (bad job file or --url; a 4xx such as 409/422 from the server)"),
+        (ExitCode.NOT_FOUND, "not found (404)"),
+        (ExitCode.AUTH, "authentication or permission error (401/403)"),
+        (ExitCode.SERVER, "server or connection error (5xx, timeout, unreachable URL)"),
+        (ExitCode.CANCELLED, "the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)"),
+    )
+)
+
+
+def steady_state(records: list[dict]) -> dict:
+    """Averages over the run's steady state: the records after the first tenth of the steps (at
+    least the first one, whose time includes warm-up: allocation, compile, first collectives).
+    ``tokens_per_s`` is total tokens over total step time, not a mean of per-step rates."""
+    timed = [r for r in records if isinstance(r.get("step_time_s"), int | float) and r["step_time_s"] > 0]
+    if len(timed) > 1:
+        timed = timed[max(1, len(timed) // 10) :]
+    if not timed:
+        return {}
+    seconds = sum(r["step_time_s"] for r in timed)
+    tokens = sum(r.get("tokens_per_s", 0) * r["step_time_s"] for r in timed)
+    out = {"steps": len(timed), "tokens_per_s": tokens / seconds, "step_time_s": seconds / len(timed)}
+    mfu = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
+    if mfu:
+        out["mfu"] = sum(mfu) / len(mfu)
+    return out
+
+
+_STYLE = {JobState.SUCCEEDED: "green", JobState.FAILED: "red", JobState.CANCELLED: "yellow"}
+
+
+def print_summary(console, job: dict, records: list[dict]) -> None:
+    """The end-of-run summary of ``hpservice run`` and ``hpservice watch``: final state and
+    message, steps, final loss, steady-state tokens/s (and MFU), restarts, latest checkpoint.
+    ``job`` is a ``JobOut`` or a coordinator status (the same keys); ``records`` the metrics seen."""
+    from rich.text import Text
+
+    state = job["state"]
+    line = Text(str(state), style=_STYLE.get(state, "bold"))
+    if job.get("message"):
+        line.append(f": {job['message']}")
+    console.print(line)
+    last = records[-1] if records else {}
+    parts = [f"step {last.get('step', job.get('step', 0))}/{job.get('total_steps', '?')}"]
+    if isinstance(last.get("loss"), int | float):
+        parts.append(f"final loss {last['loss']:.4f}")
+    steady = steady_state(records)
+    if steady:
+        rate = f"{steady['tokens_per_s']:,.0f} tok/s steady (mean over the last {steady['steps']} steps)"
+        parts.append(rate + (f", MFU {steady['mfu']:.1%}" if "mfu" in steady else ""))
+    console.print(Text("  " + ", ".join(parts)))
+    if job.get("restarts"):
+        console.print(Text(f"  restarts: {job['restarts']} ({'; '.join(job.get('restart_reasons') or [])})"))
+    if job.get("checkpoints"):
+        console.print(Text(f"  latest checkpoint: {job['checkpoints'][-1].get('path')}"))
