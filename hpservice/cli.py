@@ -142,13 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(args.ranks)
     if args.command == "run":
-        from hpservice.spec import SpecError, load_job
-
-        try:
-            spec = load_job(args.job, args.set)
-        except SpecError as e:
-            print(e, file=sys.stderr)
-            return 2
+        spec = _load_launchable(args)
+        if spec is None:
+            return ExitCode.USAGE
         if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
             import torch
 
@@ -163,13 +159,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_job(spec, address=args.address)
     if args.command == "validate":
-        from hpservice.spec import SpecError, load_job
-
-        try:
-            spec = load_job(args.job, args.set)
-        except SpecError as e:
-            print(e, file=sys.stderr)
-            return 1
+        spec = _load_launchable(args)
+        if spec is None:
+            return ExitCode.USAGE
         print(
             f"{args.job}: valid job {spec.name!r} ("
             + (f"llama from {spec.model.init_from}" if spec.model.init_from else f"{spec.model.name}/{spec.model.flavor}")
@@ -203,6 +195,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(shapes)} tensors to {args.out}")
         return 0
     parser.error(f"unknown command {args.command}")  # exits with status 2
+
+
+def _load_launchable(args):
+    """The job file with ``--set`` overrides, checked as far as it can be before anything starts
+    (the spec, and that the parallelism divides ``resources.workers``); None after printing why."""
+    from hpservice.spec import SpecError, check_world, load_job
+
+    try:
+        spec = load_job(args.job, args.set)
+        check_world(spec, source=args.job)
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return None
+    return spec
 
 
 def _load_for_generation(path: str):
@@ -404,12 +410,8 @@ def _text(value):
 
 
 def _cmd_submit(args) -> int:
-    from hpservice.spec import SpecError, load_job
-
-    try:
-        spec = load_job(args.job, args.set)
-    except SpecError as e:
-        print(e, file=sys.stderr)
+    spec = _load_launchable(args)
+    if spec is None:
         return ExitCode.USAGE
     with _client(args) as client:
         job = client.submit(spec.model_dump(mode="json", by_alias=True), idempotency_key=args.idempotency_key)

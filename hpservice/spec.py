@@ -13,6 +13,7 @@ A minimal job file::
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import uuid
@@ -120,6 +121,26 @@ class ModelSpec(_Section):
         description="a Hugging Face checkpoint directory (config.json + safetensors): the llama takes its config "
         "and starts from its weights (a fresh optimizer; resume_from continues a run of ours instead)",
     )
+
+    @model_validator(mode="after")
+    def _name_and_flavor_exist(self):
+        """A built-in model's flavor must be one of its own; any other name must be a factory path."""
+        from hpservice.models import list_flavors, list_models  # torch: only when a spec is validated
+
+        builtins = list_models()
+        if self.name in builtins:
+            flavors = list_flavors(self.name)
+            if self.flavor is not None and self.flavor not in flavors and self.init_from is None:
+                raise ValueError(
+                    f"model.flavor: {self.flavor!r} is not a flavor of {self.name}; allowed: {', '.join(flavors)}"
+                    + did_you_mean(self.flavor, flavors)
+                )
+        elif ":" not in self.name:
+            raise ValueError(
+                f"model.name: {self.name!r} is neither a built-in model ({', '.join(builtins)}) nor "
+                f"'package.module:factory'" + did_you_mean(self.name, builtins)
+            )
+        return self
 
     @model_validator(mode="after")
     def _init_from_llama(self):
@@ -403,6 +424,46 @@ class JobSpec(_Section):
         return self
 
 
+def did_you_mean(value: str, allowed) -> str:
+    """`` (did you mean 'x'?)`` for a close misspelling of one of ``allowed``, else ``""``."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _section_fields(loc: tuple) -> list[str] | None:
+    """The field names (and aliases) allowed where ``loc``'s last part was found."""
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            field = next((f for f in model.model_fields.values() if f.alias == part), None)
+        if field is None:
+            return None
+        inner = [a for a in getattr(field.annotation, "__args__", (field.annotation,)) if isinstance(a, type)]
+        inner = [a for a in inner if issubclass(a, BaseModel)]
+        if not inner:
+            return None
+        model = inner[0]
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _message(err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        allowed = _section_fields(err["loc"])
+        if allowed:
+            return f"unknown field{did_you_mean(err['loc'][-1], allowed)}; allowed: {', '.join(allowed)}"
+    return err["msg"].removeprefix("Value error, ")
+
+
+def _located(path: str, message: str) -> tuple[str, str]:
+    """A section validator's message that names a field inside it (``"model.flavor: ..."``)
+    is reported at that field."""
+    field, sep, rest = message.partition(": ")
+    if sep and field.startswith(path + ".") and " " not in field:
+        return field, rest
+    return path, message
+
+
 def _field_path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<root>"
 
@@ -456,9 +517,19 @@ def parse_job(data: Any, *, source: str = "job") -> JobSpec:
         # JSON mode: strict types, with JSON's own conversions (arrays for tuples, ints for floats).
         return JobSpec.model_validate_json(text)
     except ValidationError as e:
-        errors = [(_field_path(err["loc"]), err["msg"]) for err in e.errors()]
+        errors = [_located(_field_path(err["loc"]), _message(err)) for err in e.errors()]
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
         raise SpecError(f"{source}: invalid job spec\n{lines}", errors) from None
+
+
+def check_world(spec: JobSpec, *, source: str = "job") -> None:
+    """What a launcher checks before starting anything: the parallelism divides the job's
+    ``resources.workers`` (torchrun gives the world size instead, and checks it at start)."""
+    try:
+        spec.parallelism.resolve(spec.resources.workers)
+    except SpecError as e:
+        message = f"{str(e).removeprefix('parallelism: ')} (resources.workers is {spec.resources.workers})"
+        raise SpecError(f"{source}: invalid job spec\n  parallelism: {message}", [("parallelism", message)]) from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

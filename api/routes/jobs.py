@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from hpservice.jobs import TERMINAL_STATES
-from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yaml_load
+from hpservice.spec import INT64, JobSpec, SpecError, check_world, new_run_id, parse_job, yaml_load
 
 from ..auth import current_principal, visible
 from ..errors import APIError
@@ -91,7 +91,9 @@ def _decode(raw: bytes, ctype: str):
 
 def _validate(data) -> JobSpec:
     try:
-        return parse_job(data, source="job spec")
+        spec = parse_job(data, source="job spec")
+        check_world(spec, source="job spec")
+        return spec
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]
         raise APIError(422, str(e).splitlines()[0], details) from None

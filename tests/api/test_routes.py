@@ -34,7 +34,7 @@ def test_submit_json_and_yaml(tmp_path):
     "body,ctype,path,fragment",
     [
         ('{"name": "x", "training": {"steps": 0}}', "application/json", "training.steps", "greater than 0"),
-        ('{"name": "x", "trainng": {}}', "application/json", "trainng", "Extra inputs"),
+        ('{"name": "x", "trainng": {}}', "application/json", "trainng", "unknown field"),
         ("name: x\ntraining: {steps: [1\n", "application/yaml", None, "YAML syntax error at line 3"),
         ('{"name": ', "application/json", None, "JSON syntax error at line 1"),
         ("[1, 2]", "application/json", None, "expected a mapping"),
@@ -186,3 +186,11 @@ def test_job_states_come_from_the_one_vocabulary(tmp_path):
     assert set(body["terminal"]) == TERMINAL_STATES and body["active"] == list(ACTIVE_STATES)
     assert all(JobState(s).is_terminal for s in body["terminal"])
     assert not any(JobState(s).is_terminal for s in body["active"])
+
+
+def test_submit_refuses_a_layout_that_cannot_fill_the_workers(tmp_path):
+    with _client(tmp_path) as c:
+        r = c.post("/v1/jobs", json={**SPEC, "parallelism": {"tp": 3}, "resources": {"workers": 2}})
+    assert r.status_code == 422
+    (detail,) = r.json()["error"]["details"]
+    assert detail["path"] == "parallelism" and "not divisible" in detail["message"]

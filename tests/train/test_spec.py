@@ -28,8 +28,8 @@ def test_defaults_and_aliases():
     "data,path,message",
     [
         ({"name": "a", "training": {"steps": 0}}, "training.steps", "greater than 0"),
-        ({"name": "a", "trainig": {}}, "trainig", "Extra inputs are not permitted"),
-        ({"name": "a", "model": {"flavour": "tiny"}}, "model.flavour", "Extra inputs"),
+        ({"name": "a", "trainig": {}}, "trainig", "unknown field (did you mean 'training'?)"),
+        ({"name": "a", "model": {"flavour": "tiny"}}, "model.flavour", "unknown field (did you mean 'flavor'?)"),
         ({"name": "a", "parallelism": {"dp_shard": 0}}, "parallelism.dp_shard", "-1"),
         ({"name": "a", "parallelism": {"tp": 0}}, "parallelism.tp", "greater than or equal to 1"),
         ({"name": "a", "parallelism": {"sequence_parallel": True}}, "parallelism", "needs tp > 1"),
@@ -76,9 +76,43 @@ def test_cli_validate_and_schema(tmp_path, capsys):
     assert main(["validate", str(EXAMPLES[0])]) == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: a\ntraining: {steps: -1}\n")
-    assert main(["validate", str(bad)]) == 1
+    assert main(["validate", str(bad)]) == 2  # a spec error is a usage error, as for run and submit
     assert "training.steps" in capsys.readouterr().err
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert schema["title"] == "JobSpec" and "training" in schema["properties"]
     assert JobSpec.model_json_schema()["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "message"),
+    [
+        ({"name": "a", "optimizer": {"lrr": 0.1}}, "optimizer.lrr", "unknown field (did you mean 'lr'?); allowed: name, lr,"),
+        ({"name": "a", "checkpoint": {"asyn": True}}, "checkpoint.asyn", "did you mean 'async'?"),
+        ({"name": "a", "model": {"name": "lama"}}, "model.name", "'lama' is neither a built-in model (llama, mlp) nor "
+         "'package.module:factory' (did you mean 'llama'?)"),
+        ({"name": "a", "model": {"flavor": "tinyy"}}, "model.flavor", "'tinyy' is not a flavor of llama; allowed: tiny, small"),
+    ],
+)  # fmt: skip
+def test_misspellings_get_the_allowed_values_and_a_suggestion(data, path, message):
+    with pytest.raises(SpecError) as e:
+        parse_job(data)
+    assert any(p == path and message in m for p, m in e.value.errors), e.value.errors
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "workers", "fragment"),
+    [({"tp": 3}, 2, "not divisible by dp_replicate x tp = 3"), ({"dp_shard": 3}, 2, "dp_shard 3 x tp 1 != world size 2")],
+)
+def test_a_layout_that_cannot_fill_the_workers_is_refused_before_anything_starts(tmp_path, capsys, parallelism, workers, fragment):
+    from hpservice.spec import check_world
+
+    spec = parse_job({"name": "a", "parallelism": parallelism, "resources": {"workers": workers}})
+    with pytest.raises(SpecError) as e:
+        check_world(spec)
+    assert e.value.errors[0][0] == "parallelism" and fragment in e.value.errors[0][1]
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: a\nparallelism: {json.dumps(parallelism)}\nresources: {{workers: {workers}}}\n")
+    assert main(["validate", str(job)]) == 2 and fragment in capsys.readouterr().err
+    assert main(["run", str(job)]) == 2  # refused before Ray starts
+    assert "(resources.workers is 2)" in capsys.readouterr().err
