@@ -358,6 +358,7 @@ class Trainer:
 
             self._wandb = WandbSink(spec, self.output_dir)
         self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
+        self._log_fn = log_fn
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
         self._profiler = None
         if spec.metrics.profile is not None:
@@ -546,6 +547,7 @@ class Trainer:
     # ---- metrics ------------------------------------------------------------------------------
     def _report(self, record: dict) -> None:
         if self.rank != 0:
+            self._report_own(record)
             return
         if self.on_metrics is not None:
             self.on_metrics(record)
@@ -567,6 +569,19 @@ class Trainer:
                 f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step"
                 + (f"  mfu {record['mfu']:.1%}" if record.get("mfu") is not None else "")
             )
+
+    def _report_own(self, record: dict) -> None:
+        """Ranks other than 0: a line of their own (step time, memory) every ``log_every`` steps,
+        where lines are kept per rank (``log_fn``: the service's ``logs --rank N``); never to
+        stdout, where torchrun would print it once per rank."""
+        every = self.spec.metrics.log_every
+        if self._log_fn is None or not (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
+            return
+        memory = record.get("peak_memory_allocated_gib", record["peak_rss_gib"])
+        self._log_fn(
+            f"[{self.spec.name}] rank {self.rank} step {record['step']:>5}/{self.spec.training.steps}  "
+            f"{record['step_time_s'] * 1000:.0f} ms/step  peak memory {memory:.2f} GiB"
+        )
 
     def _tensorboard(self):
         try:

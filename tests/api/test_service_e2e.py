@@ -180,7 +180,12 @@ def test_submit_with_the_cli_and_watch(service, tmp_path):
     listed = subprocess.run(
         [sys.executable, "-m", "hpservice", "list", "--json"], capture_output=True, text=True, env=env, timeout=60
     )
-    assert any(j["name"] == "tiny-cpu" and j["state"] == "SUCCEEDED" for j in json.loads(listed.stdout)["items"])
+    (job,) = [j for j in json.loads(listed.stdout)["items"] if j["name"] == "tiny-cpu"]
+    assert job["state"] == "SUCCEEDED"
+    logs = subprocess.run(
+        [sys.executable, "-m", "hpservice", "logs", job["id"], "--rank", "1"], capture_output=True, text=True, env=env, timeout=60
+    )  # every rank has lines of its own, not only rank 0
+    assert logs.returncode == 0 and "[rank 1 step" in logs.stdout and "rank 1 step" in logs.stdout, logs.stdout
 
 
 def test_api_restart_mid_job_loses_nothing(service, tmp_path):
