@@ -160,10 +160,15 @@ class Coordinator:
         return lines[-tail:] if tail else lines
 
     def record_checkpoint(self, info: dict) -> None:
+        """A committed checkpoint; ``info["kept"]`` (the steps still on storage) drops the ones
+        pruning removed, so listings never offer a checkpoint that is gone."""
+        info = dict(info)
+        kept = info.pop("kept", None)
         with self._lock:
-            self._checkpoints = [c for c in self._checkpoints if c["step"] != info["step"]] + [
-                {**info, "time": time.time()}
-            ]
+            checkpoints = [c for c in self._checkpoints if c["step"] != info["step"]] + [{**info, "time": time.time()}]
+            if kept is not None:
+                checkpoints = [c for c in checkpoints if c["step"] in set(kept)]
+            self._checkpoints = checkpoints
 
     def checkpoints(self) -> list[dict]:
         with self._lock:

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from hpservice import __version__
+
+    parser.add_argument("--version", action="version", version=f"hpservice {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the DTensor core demo on local gloo ranks")
     demo.add_argument("--ranks", type=int, default=4, help="number of local ranks (even, >= 2)")

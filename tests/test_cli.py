@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from hpservice import __version__
 from hpservice.cli import main
 from hpservice.demo import _tour
@@ -18,6 +20,9 @@ def test_demo_tour_matches_single_device(ranks):
 def test_version(capsys):
     assert main(["version"]) == 0
     assert capsys.readouterr().out.strip() == __version__
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"hpservice {__version__}"
 
 
 def test_console_entry_point_runs():

@@ -432,10 +432,13 @@ class Trainer:
             self._report_committed()
 
     def _report_committed(self) -> None:
-        if self.rank == 0 and self.on_checkpoint is not None:
+        """Tell ``on_checkpoint`` of each newly committed checkpoint, with ``kept``: the steps of
+        every checkpoint still on storage (pruning by ``checkpoint.keep`` removed the others)."""
+        if self.rank == 0 and self.on_checkpoint is not None and self._uncommitted:
+            kept = [c["step"] for c in self.checkpoints.list()]
             for info in self._uncommitted:
                 path = f"{self.spec.checkpoint.dir.rstrip('/')}/step-{info['step']:08d}"  # a path or a URL
-                self.on_checkpoint({**info, "path": path})
+                self.on_checkpoint({**info, "path": path, "kept": kept})
         self._uncommitted.clear()
 
     def request_stop(self) -> None:

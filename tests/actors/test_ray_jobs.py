@@ -74,7 +74,7 @@ def _finish(handle):
 
 
 def test_hsdp_job_succeeds_with_torchrun_losses_and_keeps_every_metric(cluster, ranks, tmp_path):
-    spec = _spec(tmp_path, "hsdp", parallelism={"dp_replicate": 2}, checkpoint={"interval": 3})
+    spec = _spec(tmp_path, "hsdp", parallelism={"dp_replicate": 2}, checkpoint={"interval": 2, "keep": 2})
     handle = start_job(spec)
     status = handle.wait(timeout=300)
     assert status["state"] == "SUCCEEDED", status
@@ -87,7 +87,10 @@ def test_hsdp_job_succeeds_with_torchrun_losses_and_keeps_every_metric(cluster, 
     assert [r["step"] for r in handle.poll(since_step=4)["records"]] == [5, 6]
     expected = ranks(2).run(_torchrun_equivalent, _spec(tmp_path / "ref", "hsdp", parallelism={"dp_replicate": 2}))[0]
     assert [r["loss"] for r in records] == expected
-    assert [c["step"] for c in handle.checkpoints()] == [3, 6]
+    # step 2's checkpoint was pruned (keep: 2): the listing shows only what is on storage
+    assert [c["step"] for c in handle.checkpoints()] == [4, 6]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000004", "step-00000006"]
+    assert all("kept" not in c for c in handle.checkpoints())
     assert any("step     6/6" in line["line"] for line in handle.logs(rank=0))
     _finish(handle)
 
