@@ -24,6 +24,7 @@ methods answer clients.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -64,7 +65,14 @@ def cluster_fit(workers: int, cpus: float, gpus: int) -> str | None:
     total_cpu = sum(r.get("CPU", 0) for r in per_node)
     total_gpu = sum(r.get("GPU", 0) for r in per_node)
     need = f"{workers} workers x ({cpus:g} CPU" + (f", {gpus} GPU" if gpus else "") + ")"
-    return f"job needs {need}; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(per_node)} node(s), room for {slots} such workers"
+    why = f"job needs {need}; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(per_node)} node(s), room for {slots} such workers"
+    fixes = []
+    biggest = max((r.get("CPU", 0) for r in per_node), default=0)
+    share = math.floor(biggest / workers * 4) / 4  # CPUs per worker that fit all workers on the largest node
+    if not gpus and share > 0:
+        fixes.append(f"--set resources.cpus_per_worker={share:g} (the workers then share the cores)")
+    fixes.append(f"a larger cluster (e.g. hpservice serve --num-cpus {math.ceil(workers * cpus)} on one machine)")
+    return f"{why}; to fit it: {' or '.join(fixes)}"
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)

@@ -67,9 +67,10 @@ def running_head(data_dir: Path) -> dict | None:
     return head
 
 
-def ensure_head(data_dir: Path, num_cpus: int | None = None) -> dict:
-    """The server's Ray head: the recorded one if alive, else a new one. Returns
-    ``{"address", "dashboard_url", "pid"}``."""
+def ensure_head(data_dir: Path, num_cpus: int | None = None, num_gpus: int | None = None) -> dict:
+    """The server's Ray head: the recorded one if alive (its resources as they were started),
+    else a new one offering ``num_cpus`` CPUs (default: the machine's cores) and ``num_gpus``
+    GPUs (default: Ray's own count). Returns ``{"address", "dashboard_url", "pid"}``."""
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # set before ray is imported: Ray reads it once
     head = running_head(data_dir)
     if head is not None:
@@ -80,6 +81,7 @@ def ensure_head(data_dir: Path, num_cpus: int | None = None) -> dict:
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     cmd = [
         ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={num_cpus or os.cpu_count() or 1}",
+        *([f"--num-gpus={num_gpus}"] if num_gpus is not None else []),
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--disable-usage-stats", "--block",
     ]  # fmt: skip
     log = open(state.parent / "head.log", "ab")  # noqa: SIM115 - the head's own output, for as long as it runs
@@ -89,7 +91,8 @@ def ensure_head(data_dir: Path, num_cpus: int | None = None) -> dict:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # its own process group: it outlives the server
-        env={**os.environ, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]},
+        # workers at the default priority, as with the embedded Ray (actors.init_local_ray says why)
+        env={"RAY_worker_niceness": "0", **os.environ, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]},
     )
     log.close()
     host = _node_ip()

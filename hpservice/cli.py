@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         help="a directory job specs may read input files from (repeatable; also HPSERVICE_DATA_ROOTS); "
         "without one, jobs read no files",
     )
+    serve.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs the embedded Ray head offers jobs (default: this machine's cores)"
+    )
+    serve.add_argument("--num-gpus", type=int, default=None, help="GPUs the embedded Ray head offers (default: Ray's count)")
     serve.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
     serve.add_argument(
         "--stop-ray",
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             allow_models=args.allow_model,
             data_roots=args.data_root,
             docs=not args.no_docs,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
         )
     if args.command == "version":
         from hpservice import __version__

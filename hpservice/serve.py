@@ -30,6 +30,8 @@ def serve(
     allow_models: list[str] = (),
     data_roots: list[str] = (),
     docs: bool = True,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
 ) -> int:
     if not ray_address:
         # Our own Ray head runs with Ray's token auth; Ray reads the mode once, at import.
@@ -62,7 +64,7 @@ def serve(
         from actors.head import ensure_head
 
         try:
-            head = ensure_head(settings.data_dir)
+            head = ensure_head(settings.data_dir, num_cpus=num_cpus, num_gpus=num_gpus)
         except (RuntimeError, OSError) as e:
             print(f"hpservice serve: cannot start the local Ray head: {e}", file=sys.stderr)
             return 1

@@ -178,7 +178,13 @@ def test_infeasible_job_fails_fast_with_its_reason(cluster, tmp_path):
     status = handle.wait(timeout=60)
     assert status["state"] == "FAILED", status  # at once: handle.wait bounds it
     assert "needs 64 workers x (2 CPU)" in status["message"] and "the cluster has 4 CPU" in status["message"]
+    assert "to fit it: a larger cluster (e.g. hpservice serve --num-cpus 128" in status["message"]
     _finish(handle)
+    from actors.coordinator import cluster_fit
+
+    why = cluster_fit(8, 1.0, 0)  # the fix it names makes it fit
+    assert "--set resources.cpus_per_worker=0.5 (the workers then share the cores)" in why
+    assert cluster_fit(8, 0.5, 0) is None
 
 
 def test_cancel_is_graceful_and_leaves_nothing(cluster, tmp_path):

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -23,10 +24,10 @@ SPEC = {
 }
 
 
-def _start(tmp_path, data, port, n):
+def _start(tmp_path, data, port, n, *extra):
     log = open(tmp_path / f"serve-{n}.log", "w")  # noqa: SIM115 - lives as long as the process
     return subprocess.Popen(
-        [sys.executable, "-m", "hpservice", "serve", "--port", str(port), "--data-dir", str(data)],
+        [sys.executable, "-m", "hpservice", "serve", "--port", str(port), "--data-dir", str(data), *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -54,10 +55,12 @@ def test_kill_9_the_default_server_mid_job_and_start_it_again(tmp_path):
     url = f"http://127.0.0.1:{port}"
     servers = []
     try:
-        servers.append(_start(tmp_path, data, port, 1))
+        servers.append(_start(tmp_path, data, port, 1, "--num-cpus", "3"))
         _wait(lambda: httpx.get(f"{url}/readyz", timeout=5).status_code == 200, 240, "the server")
         head = running_head(data)
         assert head is not None, (tmp_path / "serve-1.log").read_text()[-3000:]
+        cmdline = Path(f"/proc/{head['pid']}/cmdline").read_bytes().split(b"\0")
+        assert b"--num-cpus=3" in cmdline  # serve --num-cpus sizes the head it starts
         job = httpx.post(f"{url}/v1/jobs", json=SPEC, timeout=30).json()
         _wait(lambda: httpx.get(f"{url}/v1/jobs/{job['id']}", timeout=5).json()["step"] >= 3, 240, "step 3")
 
