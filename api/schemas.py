@@ -42,6 +42,7 @@ class MetricsPage(BaseModel):
 
 
 class LogLine(BaseModel):
+    seq: int  # the job's event sequence number (the SSE id): ?since= resumes after it
     rank: int
     step: int
     time: float
@@ -50,6 +51,7 @@ class LogLine(BaseModel):
 
 class LogList(BaseModel):
     lines: list[LogLine]
+    next_since: int  # pass as ?since= to get only the lines after these
 
 
 class CheckpointList(BaseModel):

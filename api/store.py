@@ -322,13 +322,20 @@ class Store:
                 row.log_seq = max(row.log_seq or 0, *seqs)
             s.commit()
 
-    def logs(self, job_id: str, rank: int | None, tail: int | None) -> list[dict]:
+    def logs(self, job_id: str, rank: int | None, tail: int | None, since: int = 0) -> tuple[list[dict], int]:
+        """Log lines after event ``since`` (of ``rank``, the last ``tail``), each with its ``seq``
+        (the job's event sequence number, the same as the SSE id), and the cursor to ask with
+        next: the last log event looked at, whether or not its rank matched."""
         with self.session() as s:
-            q = select(EventRow).where(EventRow.job_id == job_id, EventRow.kind == "log").order_by(EventRow.seq)
-            lines = [json.loads(r.data_json) for r in s.scalars(q)]
-        if rank is not None:
-            lines = [line for line in lines if line["rank"] == rank]
-        return lines[-tail:] if tail else lines
+            q = (
+                select(EventRow)
+                .where(EventRow.job_id == job_id, EventRow.kind == "log", EventRow.seq > since)
+                .order_by(EventRow.seq)
+            )
+            rows = [(r.seq, json.loads(r.data_json)) for r in s.scalars(q)]
+        cursor = rows[-1][0] if rows else since
+        lines = [{**line, "seq": seq} for seq, line in rows if rank is None or line["rank"] == rank]
+        return (lines[-tail:] if tail else lines), cursor
 
     def events(self, job_id: str, after_seq: int, limit: int = 1000) -> list[tuple[int, str, dict]]:
         with self.session() as s:

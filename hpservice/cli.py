@@ -684,67 +684,36 @@ def _log_text(line: dict) -> str:
     return f"[rank {line.get('rank', '?')} step {'-' if step is None else step}] {line.get('line', '')}"
 
 
-def _log_key(line: dict):
-    return (line.get("rank"), line.get("step"), line.get("line"))
-
-
-class _LogCursor:
-    """Decides which log lines are new after the last printed one (the ``anchor``).
-
-    Lines with a ``time`` newer than the anchor's are new; without times, a line is new once the
-    anchor itself has gone by, or once its step is past the anchor's.
-    """
-
-    def __init__(self, anchor: dict | None):
-        self.anchor = anchor
-
-    def is_new(self, line: dict) -> bool:
-        a = self.anchor
-        if a is None:
-            return True
-        t, at = line.get("time"), a.get("time")
-        if isinstance(t, int | float) and isinstance(at, int | float):
-            new = t > at
-        elif _log_key(line) == _log_key(a):
-            self.anchor = None
-            return False
-        else:
-            s, as_ = line.get("step"), a.get("step")
-            new = isinstance(s, int) and isinstance(as_, int) and s > as_
-        if new:
-            self.anchor = None
-        return new
-
-
 def _cmd_logs(args) -> int:
+    """Print the job's lines; with ``-f`` follow it, printing each line once: lines carry their
+    event sequence number (``seq``, the SSE id), and only lines after the last printed one are
+    printed, whether they come from the event stream or from polling ``?since=``."""
     with _client(args) as client:
-        lines = client.logs(args.id, rank=args.rank, tail=args.tail).get("lines", [])
-        for line in lines:
+        page = client.logs(args.id, rank=args.rank, tail=args.tail)
+        for line in page.get("lines", []):
             print(_json_or_text(line, args.json), flush=True)
         if not args.follow:
             _note_artifacts(client, args.id)
             return ExitCode.OK
-        cursor = _LogCursor(lines[-1] if lines else None)
-        poll_cursor = _LogCursor(lines[-1] if lines else None)
+        cursor = polled_to = page.get("next_since", 0)
 
-        def log_poll():
-            got = client.logs(args.id, rank=args.rank, tail=1000).get("lines", [])
-            new = [ln for ln in got if poll_cursor.is_new(ln)]
-            if got:
-                poll_cursor.anchor = got[-1]
-            return new
+        def log_poll():  # only when the stream is unavailable; on_event prints what it returns
+            nonlocal polled_to
+            got = client.logs(args.id, rank=args.rank, since=max(cursor, polled_to))
+            polled_to = got.get("next_since", polled_to)
+            return got.get("lines", [])
 
         def on_event(ev):
+            nonlocal cursor
             if ev["event"] != "log":
                 return
             line = ev["data"]
-            if args.rank is not None and line.get("rank") != args.rank:
-                return
-            if ev["id"] is not None:  # from the stream, which replays the history first
-                if not cursor.is_new(line):
-                    return
-                poll_cursor.anchor = line  # should the stream fail, polling resumes after this line
-            print(_json_or_text(line, args.json), flush=True)
+            seq = ev["id"] if ev["id"] is not None else line.get("seq")
+            if seq is not None and seq <= cursor:
+                return  # the stream replays the history first: printed already
+            cursor = max(cursor, seq or 0)
+            if args.rank is None or line.get("rank") == args.rank:
+                print(_json_or_text(line, args.json), flush=True)
 
         try:
             _follow(client, args.id, on_event, log_poll=log_poll)

@@ -215,9 +215,11 @@ class Client:
         """``{"records": [...], "next_since_step": N}``: records with ``step > since_step``, ascending."""
         return self._request("GET", self._job_path(job_id, "/metrics"), params={"since_step": since_step})
 
-    def logs(self, job_id: str, rank: int | None = None, tail: int | None = None) -> dict:
-        """``{"lines": [{"rank", "step", "time", "line"}]}`` (the server's default tail when ``tail`` is None)."""
-        return self._request("GET", self._job_path(job_id, "/logs"), params={"rank": rank, "tail": tail})
+    def logs(self, job_id: str, rank: int | None = None, tail: int | None = None, since: int = 0) -> dict:
+        """``{"lines": [{"seq", "rank", "step", "time", "line"}], "next_since": N}``: lines after event
+        ``since`` (pass ``next_since`` back to get only newer ones; ``seq`` is the SSE id)."""
+        params = {"rank": rank, "tail": tail, "since": since or None}
+        return self._request("GET", self._job_path(job_id, "/logs"), params=params)
 
     def checkpoints(self, job_id: str) -> dict:
         """``{"checkpoints": [{"step", "path", "time", "metrics"}]}``."""

@@ -208,11 +208,20 @@ def make_app(svc: FakeService) -> FastAPI:
         return {"records": records, "next_since_step": records[-1]["step"] if records else since_step}
 
     @app.get("/v1/jobs/{job_id}/logs")
-    def logs(job_id: str, rank: int | None = None, tail: int = 100):
+    def logs(job_id: str, rank: int | None = None, tail: int | None = None, since: int = 0):
+        """As the server: every line has its event ``seq`` (the SSE id of the same line); a job with
+        an event list has logged, so far, the log events up to step 2 (the stream has them all)."""
         if job_id not in svc.jobs:
             return missing(job_id)
-        lines = [ln for ln in svc.logs[job_id] if rank is None or ln["rank"] == rank]
-        return {"lines": lines[-tail:] if tail else []}
+        evs = svc.events[job_id]
+        if any(kind == "log" for kind, _ in evs):
+            every = [{**d, "seq": i + 1, "time": T0 + d["step"]} for i, (kind, d) in enumerate(evs) if kind == "log"]
+            every = [ln for ln in every if ln["step"] <= 2]
+        else:
+            every = [{**ln, "seq": i + 1} for i, ln in enumerate(svc.logs[job_id])]
+        after = [ln for ln in every if ln["seq"] > since]
+        lines = [ln for ln in after if rank is None or ln["rank"] == rank]
+        return {"lines": lines[-tail:] if tail else lines, "next_since": after[-1]["seq"] if after else since}
 
     @app.get("/v1/jobs/{job_id}/artifacts")
     def artifacts(job_id: str):
@@ -339,7 +348,9 @@ def test_client_jobs_roundtrip(fake, client):
     assert [j["id"] for j in client.list_all(limit=3)] == [j["id"] for j in client.list(limit=100)["items"]]
     assert [j["id"] for j in client.list(state="SUCCEEDED")["items"]] == ["done-1"]
     assert [r["step"] for r in client.metrics("ok-1", since_step=1)["records"]] == [2, 3]
-    assert len(client.logs("ok-1", rank=1, tail=1)["lines"]) == 1
+    page = client.logs("ok-1", rank=0, tail=1)
+    assert [ln["step"] for ln in page["lines"]] == [2] and page["next_since"] == page["lines"][0]["seq"]
+    assert client.logs("ok-1", since=page["next_since"])["lines"] == []  # nothing after the cursor yet
     assert client.checkpoints("done-1")["checkpoints"][0]["step"] == 3
     assert client.cancel("ok-1")["state"] == "CANCELLING"
     assert client.delete("done-1") is None
@@ -526,7 +537,7 @@ def test_cli_logs(fake, capsys):
     assert cli.main(["logs", "ok-1", "--rank", "0", *opts]) == 0
     assert capsys.readouterr().out.splitlines() == ["[rank 0 step 1] step 1 done", "[rank 0 step 2] step 2 done"]
     assert cli.main(["logs", "ok-1", "--tail", "1", "--json", *opts]) == 0
-    assert json.loads(capsys.readouterr().out) == {"rank": 1, "step": 2, "time": T0 + 2, "line": "step 2 done"}
+    assert json.loads(capsys.readouterr().out) == {"rank": 0, "step": 2, "time": T0 + 2, "line": "step 2 done", "seq": 5}
     # -f: the tail, then only the log events after it (the stream replays history first).
     assert cli.main(["logs", "ok-1", "-f", "--rank", "0", *opts]) == 0
     assert capsys.readouterr().out.splitlines() == [

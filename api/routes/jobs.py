@@ -209,10 +209,12 @@ def logs(
     request: Request,
     rank: int | None = Query(None, ge=0, le=1 << 20),
     tail: int | None = Query(None, ge=1, le=100_000),
+    since: int = Query(0, ge=0, le=INT64[1], description="only lines after this event sequence number (next_since)"),
     principal: Principal = Depends(current_principal),
 ):
     _job_or_404(request, job_id, principal)
-    return {"lines": request.app.state.store.logs(job_id, rank, tail)}
+    lines, cursor = request.app.state.store.logs(job_id, rank, tail, since)
+    return {"lines": lines, "next_since": cursor}
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)

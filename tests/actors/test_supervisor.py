@@ -80,7 +80,8 @@ def test_a_frozen_coordinator_never_stalls_another_job(cluster, tmp_path):
     assert store.get_job("healthy-1")["step"] >= 5  # followed tick after tick
     steps = [r["step"] for r in store.metrics("healthy-1", 0)]
     assert steps == list(range(1, len(steps) + 1))
-    lines = store.logs("healthy-1", None, None)
+    lines, cursor = store.logs("healthy-1", None, None)
+    assert cursor == lines[-1]["seq"] and store.logs("healthy-1", None, None, since=cursor) == ([], cursor)
     assert [line["line"] for line in lines] == [f"line {i}" for i in range(1, len(lines) + 1)]  # each line once
     while "unhealthy" not in store.get_job("frozen-1")["message"] and time.monotonic() < deadline:
         _in_thread(sup.tick)
