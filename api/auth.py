@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from .errors import APIError
-from .settings import Principal
+from .settings import Principal, Settings
 
 LOCAL = Principal("local", admin=True)
 
 
-def current_principal(request: Request) -> Principal:
-    settings = request.app.state.settings
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def current_principal(request: Request, settings: Settings = Depends(get_settings)) -> Principal:
     if not settings.auth_enabled:
         return LOCAL
     header = request.headers.get("authorization", "")

@@ -206,14 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"unknown command {args.command}")  # exits with status 2
 
 
-def _load_launchable(args):
+def _load_launchable(args, *, local: bool = True):
     """The job file with ``--set`` overrides, checked as far as it can be before anything starts
-    (the spec, and that the parallelism divides ``resources.workers``); None after printing why."""
-    from hpservice.spec import SpecError, check_world, load_job
+    (the spec; the parallelism divides ``resources.workers``; for a job run here, the model name
+    resolves on this machine); None after printing why."""
+    from hpservice.spec import SpecError, check_local_model, check_world, load_job
 
     try:
         spec = load_job(args.job, args.set)
         check_world(spec, source=args.job)
+        if local:
+            check_local_model(spec, source=args.job)
     except SpecError as e:
         print(e, file=sys.stderr)
         return None
@@ -419,7 +422,7 @@ def _text(value):
 
 
 def _cmd_submit(args) -> int:
-    spec = _load_launchable(args)
+    spec = _load_launchable(args, local=False)  # the server resolves model names of its own
     if spec is None:
         return ExitCode.USAGE
     with _client(args) as client:

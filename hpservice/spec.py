@@ -123,23 +123,18 @@ class ModelSpec(_Section):
     )
 
     @model_validator(mode="after")
-    def _name_and_flavor_exist(self):
-        """A built-in model's flavor must be one of its own; any other name must be a factory path."""
+    def _flavor_exists(self):
+        """A built-in model's flavor must be one of its own. (Other names are checked where they
+        are resolved: ``check_local_model`` here, the server's allowlist in the service.)"""
         from hpservice.models import list_flavors, list_models  # torch: only when a spec is validated
 
-        builtins = list_models()
-        if self.name in builtins:
+        if self.name in list_models() and self.flavor is not None and self.init_from is None:
             flavors = list_flavors(self.name)
-            if self.flavor is not None and self.flavor not in flavors and self.init_from is None:
+            if self.flavor not in flavors:
                 raise ValueError(
                     f"model.flavor: {self.flavor!r} is not a flavor of {self.name}; allowed: {', '.join(flavors)}"
                     + did_you_mean(self.flavor, flavors)
                 )
-        elif ":" not in self.name:
-            raise ValueError(
-                f"model.name: {self.name!r} is neither a built-in model ({', '.join(builtins)}) nor "
-                f"'package.module:factory'" + did_you_mean(self.name, builtins)
-            )
         return self
 
     @model_validator(mode="after")
@@ -530,6 +525,20 @@ def check_world(spec: JobSpec, *, source: str = "job") -> None:
     except SpecError as e:
         message = f"{str(e).removeprefix('parallelism: ')} (resources.workers is {spec.resources.workers})"
         raise SpecError(f"{source}: invalid job spec\n  parallelism: {message}", [("parallelism", message)]) from None
+
+
+def check_local_model(spec: JobSpec, *, source: str = "job") -> None:
+    """For a job run on this machine (``hpservice run``, ``validate``): the model is a built-in or
+    a ``package.module:factory`` path. (A server may also resolve names of its own: ``submit``
+    leaves them to it.)"""
+    from hpservice.models import list_models
+
+    builtins = list_models()
+    name = spec.model.name
+    if name not in builtins and ":" not in name:
+        message = f"{name!r} is neither a built-in model ({', '.join(builtins)}) nor 'package.module:factory'"
+        message += did_you_mean(name, builtins)
+        raise SpecError(f"{source}: invalid job spec\n  model.name: {message}", [("model.name", message)])
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ray
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ..deps import get_store
 from ..errors import error_body, store_failure
 from ..schemas import ErrorOut
+from ..store import Store
 
 router = APIRouter(tags=["health"])
 
@@ -20,9 +22,9 @@ def healthz() -> dict:
 
 
 @router.get("/readyz", responses={503: {"model": ErrorOut}})
-def readyz(request: Request):
+def readyz(store: Store = Depends(get_store)):
     try:
-        request.app.state.store.ping()
+        store.ping()
     except Exception as e:  # a broken store makes the service unready, not the request a 500
         return JSONResponse(error_body(503, f"store unavailable: {store_failure(e)}"), status_code=503)
     if not ray.is_initialized():

@@ -18,11 +18,14 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from hpservice.jobs import TERMINAL_STATES
 from hpservice.spec import INT64, JobSpec, SpecError, check_world, new_run_id, parse_job, yaml_load
 
-from ..auth import current_principal, visible
+from ..auth import current_principal
+from ..deps import get_settings, get_store, get_supervisor, visible_job
 from ..errors import APIError
 from ..policy import admit, job_dir
 from ..schemas import ERRORS, ArtifactList, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
-from ..settings import Principal
+from ..settings import Principal, Settings
+from ..store import Store
+from ..supervisor import Supervisor
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
 
@@ -39,16 +42,9 @@ SPEC_BODY = {
 }
 
 
-def _out(request: Request, job: dict) -> dict:
-    base = request.app.state.settings.dashboard_url
+def _out(settings: Settings, job: dict) -> dict:
+    base = settings.dashboard_url
     return {**job, "ray_dashboard_url": f"{base}/#/actors" if base else None}
-
-
-def _job_or_404(request: Request, job_id: str, principal: Principal) -> dict:
-    job = request.app.state.store.get_job(job_id)
-    if not visible(principal, job):
-        raise APIError(404, f"job {job_id} not found")
-    return job
 
 
 async def _read_body(request: Request) -> bytes:
@@ -108,6 +104,8 @@ def _request_hash(data) -> str:
 async def submit(
     request: Request,
     principal: Principal = Depends(current_principal),
+    settings: Settings = Depends(get_settings),
+    store: Store = Depends(get_store),
     idempotency_key: str | None = Header(None, max_length=200),
 ):
     raw = await _read_body(request)
@@ -116,11 +114,10 @@ async def submit(
     spec = await asyncio.to_thread(_validate, data)
     job_id = new_run_id(spec.name)
     try:
-        spec = admit(spec, principal, job_id, request.app.state.settings)
+        spec = await asyncio.to_thread(admit, spec, principal, job_id, settings)  # it looks at files
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]
         raise APIError(422, str(e).splitlines()[0], details) from None
-    store = request.app.state.store
     job, created = await asyncio.to_thread(
         store.create_job,
         job_id,
@@ -135,7 +132,7 @@ async def submit(
         raise APIError(
             409, f"Idempotency-Key {idempotency_key!r} was used before with a different job spec; use a new key"
         )
-    return JSONResponse(_out(request, job), status_code=201 if created else 200)
+    return JSONResponse(_out(settings, job), status_code=201 if created else 200)
 
 
 def _cursor(cursor: str | None) -> tuple[float, str] | None:
@@ -150,8 +147,9 @@ def _cursor(cursor: str | None) -> tuple[float, str] | None:
 
 @router.get("", response_model=JobList)
 def list_jobs(
-    request: Request,
     principal: Principal = Depends(current_principal),
+    settings: Settings = Depends(get_settings),
+    store: Store = Depends(get_store),
     state: str | None = Query(None, max_length=16),
     name: str | None = Query(None, max_length=80),
     owner: str | None = Query(None, max_length=80),
@@ -162,64 +160,63 @@ def list_jobs(
         if owner is not None and owner != principal.owner:
             return {"items": [], "next_cursor": None}
         owner = principal.owner
-    items = request.app.state.store.list_jobs(owner=owner, state=state, name=name, limit=limit, cursor=_cursor(cursor))
+    items = store.list_jobs(owner=owner, state=state, name=name, limit=limit, cursor=_cursor(cursor))
     next_cursor = None
     if len(items) == limit:
         last = items[-1]
         next_cursor = base64.urlsafe_b64encode(json.dumps([last["created_at"], last["id"]]).encode()).decode()
-    return {"items": [_out(request, j) for j in items], "next_cursor": next_cursor}
+    return {"items": [_out(settings, j) for j in items], "next_cursor": next_cursor}
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
-    return _out(request, _job_or_404(request, job_id, principal))
+def get_job(job: dict = Depends(visible_job), settings: Settings = Depends(get_settings)):
+    return _out(settings, job)
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut)
-def cancel(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
-    job = _job_or_404(request, job_id, principal)
-    request.app.state.supervisor.cancel(job)
-    return _out(request, request.app.state.store.get_job(job_id))
+def cancel(
+    job: dict = Depends(visible_job),
+    settings: Settings = Depends(get_settings),
+    store: Store = Depends(get_store),
+    supervisor: Supervisor = Depends(get_supervisor),
+):
+    supervisor.cancel(job)
+    return _out(settings, store.get_job(job["id"]))
 
 
 @router.delete("/{job_id}", status_code=204)
-def delete(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
-    job = _job_or_404(request, job_id, principal)
+def delete(job: dict = Depends(visible_job), store: Store = Depends(get_store)):
     if job["state"] not in TERMINAL_STATES:
-        raise APIError(409, f"job {job_id} is {job['state']}; cancel it and wait for it to end first")
-    request.app.state.store.delete_job(job_id)
+        raise APIError(409, f"job {job['id']} is {job['state']}; cancel it and wait for it to end first")
+    store.delete_job(job["id"])
     return Response(status_code=204)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPage)
 def metrics(
-    job_id: str,
-    request: Request,
+    job: dict = Depends(visible_job),
+    store: Store = Depends(get_store),
     since_step: int = Query(0, ge=0, le=INT64[1]),
-    principal: Principal = Depends(current_principal),
 ):
-    _job_or_404(request, job_id, principal)
-    records = request.app.state.store.metrics(job_id, since_step)
+    records = store.metrics(job["id"], since_step)
     return {"records": records, "next_since_step": records[-1]["step"] if records else since_step}
 
 
 @router.get("/{job_id}/logs", response_model=LogList)
 def logs(
-    job_id: str,
-    request: Request,
+    job: dict = Depends(visible_job),
+    store: Store = Depends(get_store),
     rank: int | None = Query(None, ge=0, le=1 << 20),
     tail: int | None = Query(None, ge=1, le=100_000),
     since: int = Query(0, ge=0, le=INT64[1], description="only lines after this event sequence number (next_since)"),
-    principal: Principal = Depends(current_principal),
 ):
-    _job_or_404(request, job_id, principal)
-    lines, cursor = request.app.state.store.logs(job_id, rank, tail, since)
+    lines, cursor = store.logs(job["id"], rank, tail, since)
     return {"lines": lines, "next_since": cursor}
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
-def checkpoints(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
-    return {"checkpoints": _job_or_404(request, job_id, principal)["checkpoints"]}
+def checkpoints(job: dict = Depends(visible_job)):
+    return {"checkpoints": job["checkpoints"]}
 
 
 ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # flat names only: no path can be built
@@ -243,10 +240,10 @@ def _list_artifacts(folder: Path) -> list[tuple[str, int]]:
 
 
 @router.get("/{job_id}/artifacts", response_model=ArtifactList)
-async def artifacts(job_id: str, request: Request, principal: Principal = Depends(current_principal)):
+async def artifacts(job: dict = Depends(visible_job)):
     """Files the run wrote for download: profiler traces (``*.trace.json``, Chrome/Perfetto) and
     CUDA memory snapshots (``*.memory.pickle``) from ``metrics.profile``, one per rank."""
-    job = await asyncio.to_thread(_job_or_404, request, job_id, principal)
+    job_id = job["id"]
     found = await asyncio.to_thread(_list_artifacts, _artifacts_dir(job))
     rank = re.compile(r"^rank(\d+)-")
     return {
@@ -263,8 +260,8 @@ async def artifacts(job_id: str, request: Request, principal: Principal = Depend
 
 
 @router.get("/{job_id}/artifacts/{name}", response_class=FileResponse, responses={200: {"content": {"application/octet-stream": {}}}})
-async def artifact(job_id: str, name: str, request: Request, principal: Principal = Depends(current_principal)):
-    job = await asyncio.to_thread(_job_or_404, request, job_id, principal)
+async def artifact(name: str, job: dict = Depends(visible_job)):
+    job_id = job["id"]
     if not ARTIFACT_NAME.match(name):
         raise APIError(404, f"job {job_id} has no artifact {name!r}")
     path = _artifacts_dir(job) / name
@@ -280,11 +277,10 @@ async def artifact(job_id: str, name: str, request: Request, principal: Principa
 
 @router.post("/{job_id}/checkpoints/{step}/export", response_model=ExportOut)
 async def export_checkpoint(
-    job_id: str,
     step: int,
-    request: Request,
+    job: dict = Depends(visible_job),
+    settings: Settings = Depends(get_settings),
     format: str = Query("hf", pattern="^hf$", description="hf: config.json + sharded safetensors + index"),
-    principal: Principal = Depends(current_principal),
 ):
     """Export one of the job's committed checkpoints in Hugging Face format, into
     ``<job dir>/exports/step-N-hf`` (replaced if it exists); loadable by transformers'
@@ -292,12 +288,12 @@ async def export_checkpoint(
     from hpservice.checkpoint import CheckpointError
     from hpservice.models.hf import HFFormatError, export_checkpoint_hf
 
-    job = _job_or_404(request, job_id, principal)
+    job_id = job["id"]
     found = [c for c in job["checkpoints"] if c.get("step") == step]
     if not found:
         steps = [c.get("step") for c in job["checkpoints"]]
         raise APIError(404, f"job {job_id} has no committed checkpoint of step {step} (it has {steps})")
-    home = job_dir(request.app.state.settings, job["owner"], job_id)
+    home = job_dir(settings, job["owner"], job_id)
     out = home / "exports" / f"step-{step:08d}-hf"
     try:
         done = await asyncio.to_thread(export_checkpoint_hf, found[-1]["path"], out)
@@ -310,20 +306,19 @@ async def export_checkpoint(
     "/{job_id}/events", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}}
 )
 async def events(
-    job_id: str,
     request: Request,
-    principal: Principal = Depends(current_principal),
+    job: dict = Depends(visible_job),  # read in the thread pool, as every dependency here
+    store: Store = Depends(get_store),
     last_event_id: str | None = Header(None, max_length=20),
     token: str | None = Query(None, max_length=400, description="bearer token, for EventSource clients"),
 ):
-    _job_or_404(request, job_id, principal)
+    job_id = job["id"]
     try:
         after = int(last_event_id) if last_event_id else 0
     except ValueError:
         raise APIError(400, "Last-Event-ID must be an integer") from None
     if not 0 <= after <= INT64[1]:
         raise APIError(400, "Last-Event-ID must be an integer from 0 to 2^63 - 1")
-    store = request.app.state.store
 
     async def stream():
         nonlocal after

@@ -89,8 +89,6 @@ def test_cli_validate_and_schema(tmp_path, capsys):
     [
         ({"name": "a", "optimizer": {"lrr": 0.1}}, "optimizer.lrr", "unknown field (did you mean 'lr'?); allowed: name, lr,"),
         ({"name": "a", "checkpoint": {"asyn": True}}, "checkpoint.asyn", "did you mean 'async'?"),
-        ({"name": "a", "model": {"name": "lama"}}, "model.name", "'lama' is neither a built-in model (llama, mlp) nor "
-         "'package.module:factory' (did you mean 'llama'?)"),
         ({"name": "a", "model": {"flavor": "tinyy"}}, "model.flavor", "'tinyy' is not a flavor of llama; allowed: tiny, small"),
     ],
 )  # fmt: skip
@@ -98,6 +96,19 @@ def test_misspellings_get_the_allowed_values_and_a_suggestion(data, path, messag
     with pytest.raises(SpecError) as e:
         parse_job(data)
     assert any(p == path and message in m for p, m in e.value.errors), e.value.errors
+
+
+def test_a_model_name_this_machine_cannot_resolve_is_refused_for_local_runs(tmp_path, capsys):
+    from hpservice.spec import check_local_model
+
+    spec = parse_job({"name": "a", "model": {"name": "lama"}})  # a server might know it: the spec parses
+    with pytest.raises(SpecError) as e:
+        check_local_model(spec)
+    assert e.value.errors == [("model.name", "'lama' is neither a built-in model (llama, mlp) nor "
+                                             "'package.module:factory' (did you mean 'llama'?)")]  # fmt: skip
+    job = tmp_path / "job.yaml"
+    job.write_text("name: a\nmodel: {name: lama}\n")
+    assert main(["validate", str(job)]) == 2 and "did you mean 'llama'?" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,36 @@
+"""What routes depend on, as FastAPI dependencies: the settings, the store, the supervisor and the
+job a request names (visible to its caller, else 404). ``create_app`` puts the objects on
+``app.state``; only these functions read them there.
+
+Dependencies are plain functions, so FastAPI runs them in its thread pool: the database read of
+``visible_job`` never blocks the event loop, also for ``async def`` routes.
+"""
+
+from __future__ import annotations
+
+from fastapi import Depends, Request
+
+from .auth import current_principal, get_settings, visible
+from .errors import APIError
+from .settings import Principal
+from .store import Store
+from .supervisor import Supervisor
+
+__all__ = ["current_principal", "get_settings", "get_store", "get_supervisor", "visible_job"]
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def get_supervisor(request: Request) -> Supervisor:
+    return request.app.state.supervisor
+
+
+def visible_job(job_id: str, store: Store = Depends(get_store), principal: Principal = Depends(current_principal)) -> dict:
+    """The job ``job_id`` names, if its caller may see it (its owner, or an admin); 404 otherwise,
+    the same as for a job that does not exist."""
+    job = store.get_job(job_id)
+    if not visible(principal, job):
+        raise APIError(404, f"job {job_id} not found")
+    return job
