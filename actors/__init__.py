@@ -26,6 +26,7 @@ NAMESPACE = "hpservice"
 __all__ = [
     "NAMESPACE",
     "JobHandle",
+    "connect",
     "connect_ray",
     "coordinator_name",
     "init_local_ray",
@@ -59,6 +60,18 @@ def init_local_ray(*, num_cpus: int | None = None, dashboard: bool = True, **kwa
         log_to_driver=False,
         **kwargs,
     )
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None) -> str | None:
+    """The one way this project joins Ray: ``address`` (else ``RAY_ADDRESS``), or else a new
+    embedded local Ray with ``num_cpus`` CPUs (default: the machine's cores) and its dashboard on
+    loopback. Returns the dashboard URL when it is known; None if this process was connected."""
+    if ray.is_initialized():
+        return None
+    address = address or os.environ.get("RAY_ADDRESS")
+    ctx = connect_ray(address) if address else init_local_ray(num_cpus=num_cpus)
+    url = getattr(ctx, "dashboard_url", None)
+    return f"http://{url}" if url and not url.startswith("http") else url
 
 
 class JobHandle:

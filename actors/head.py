@@ -23,17 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+from hpservice.launch import free_port
+
 STARTUP_TIMEOUT_S = 120.0
 
 
 def _state_file(data_dir: Path) -> Path:
     return Path(data_dir) / "ray" / "head.json"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(host: str, port: int) -> bool:
@@ -75,7 +71,7 @@ def ensure_head(data_dir: Path, num_cpus: int | None = None, num_gpus: int | Non
     head = running_head(data_dir)
     if head is not None:
         return head
-    port, dashboard_port = _free_port(), _free_port()
+    port, dashboard_port = free_port(), free_port()
     state = _state_file(data_dir)
     state.parent.mkdir(parents=True, exist_ok=True)
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")

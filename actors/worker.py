@@ -8,7 +8,6 @@ lets the coordinator watch progress, dump stacks of a hung rank and stop gracefu
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -16,11 +15,7 @@ import traceback
 
 import ray
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from hpservice.launch import free_port
 
 
 @ray.remote
@@ -39,7 +34,7 @@ class TrainWorker:
     # ---- placement and rendezvous -----------------------------------------------------------
     def address(self) -> tuple[str, int, int]:
         """(node IP, a free port on it, this process's PID): rank 0's is the rendezvous address."""
-        return ray.util.get_node_ip_address(), _free_port(), os.getpid()
+        return ray.util.get_node_ip_address(), free_port(host=""), os.getpid()
 
     def start(self, spec_json: str, master_addr: str, master_port: int, resume: bool) -> None:
         from hpservice.spec import JobSpec

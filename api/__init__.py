@@ -12,13 +12,14 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from actors import connect
 from hpservice.spec import JobSpec
 
 from . import errors
 from .routes import health, jobs, states
 from .settings import Settings
 from .store import Store
-from .supervisor import Supervisor, connect
+from .supervisor import Supervisor
 
 STATIC = Path(__file__).parent / "static"
 

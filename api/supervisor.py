@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import ray
 
-from actors import JobHandle, connect_ray, init_local_ray, start_job
+from actors import JobHandle, start_job
 from actors.coordinator import cluster_fit
 from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
 from hpservice.spec import parse_job
@@ -208,16 +208,3 @@ class Supervisor:
             with self._lock:
                 self._handles.pop(job_id, None)
             request.handle.shutdown()
-
-
-def connect(address: str | None) -> str | None:
-    """Connect this process to Ray: ``address``, or an embedded local Ray (dashboard on loopback).
-    Returns the dashboard URL."""
-    if ray.is_initialized():
-        return None
-    if address:
-        ctx = connect_ray(address)
-    else:
-        ctx = init_local_ray()
-    url = getattr(ctx, "dashboard_url", None)
-    return f"http://{url}" if url and not url.startswith("http") else url

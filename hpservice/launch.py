@@ -37,9 +37,11 @@ class RankFailure(RuntimeError):
     """One or more ranks raised or timed out; the message carries their tracebacks."""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now on ``host`` (loopback by default; ``""``: every interface, for a
+    rendezvous other nodes connect to)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

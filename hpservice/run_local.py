@@ -3,6 +3,7 @@ progress bar; Ctrl-C cancels gracefully (a second Ctrl-C stops at once)."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -12,26 +13,16 @@ from hpservice._progress import job_progress
 from hpservice.jobs import EXIT_FOR_STATE, TERMINAL_STATES, print_summary
 
 
-def connect_ray(address: str | None, cpus_needed: float) -> None:
-    """Join ``address`` (or RAY_ADDRESS), or start a local Ray with its dashboard on loopback."""
-    from actors import connect_ray, init_local_ray
-
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        connect_ray(address)
-        return
-    # A laptop job may ask for more CPU slots than cores: workers then share them.
-    init_local_ray(num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)))
-
-
 def run_job(spec, *, address: str | None = None, console: Console | None = None) -> int:
     """Run ``spec`` to a terminal state, rendering progress; returns the process exit code."""
     import ray
 
-    from actors import start_job
+    from actors import connect, start_job
 
     console = console or Console()
-    connect_ray(address, spec.resources.workers * spec.resources.cpus_per_worker)
+    # A laptop job may ask for more CPU slots than cores: workers then share them.
+    needed = math.ceil(spec.resources.workers * spec.resources.cpus_per_worker)
+    connect(address, num_cpus=max(os.cpu_count() or 1, needed))
     handle = start_job(spec)
     console.print(f"job [bold]{handle.job_id}[/]: {spec.resources.workers} workers, {spec.training.steps} steps")
     last_step, last, interrupts = 0, None, 0

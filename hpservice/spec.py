@@ -85,6 +85,17 @@ _Loader.add_implicit_resolver(
 )
 
 
+def yaml_error(e: yaml.YAMLError, file: str | Path | None = None) -> str:
+    """How every reader of YAML reports a syntax error: ``FILE:LINE:COL: YAML syntax error: ...``
+    for a file (editors jump there), ``YAML syntax error at line L, column C: ...`` for a body."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    if file is not None:
+        return f"{file}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {problem}" if mark else f"{file}: YAML syntax error: {problem}"
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"YAML syntax error{where}: {problem}"
+
+
 def yaml_load(text: str):
     """Parse YAML text (safe loader, 1.2-style floats)."""
     return yaml.load(text, Loader=_Loader)
@@ -567,10 +578,7 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     try:
         data = yaml_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(e, "problem", None) or str(e)
-        raise SpecError(f"{where}: YAML syntax error: {problem}") from None
+        raise SpecError(yaml_error(e, path)) from None
     data = data if data is not None else {}
     if overrides:
         if not isinstance(data, dict):

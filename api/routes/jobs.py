@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from hpservice.jobs import TERMINAL_STATES
-from hpservice.spec import INT64, JobSpec, SpecError, check_world, new_run_id, parse_job, yaml_load
+from hpservice.spec import INT64, JobSpec, SpecError, check_world, new_run_id, parse_job, yaml_error, yaml_load
 
 from ..auth import current_principal
 from ..deps import get_settings, get_store, get_supervisor, visible_job
@@ -72,9 +72,7 @@ def _decode(raw: bytes, ctype: str):
             try:
                 return yaml_load(text)
             except yaml.YAMLError as e:
-                mark = getattr(e, "problem_mark", None)
-                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-                raise APIError(422, f"YAML syntax error{where}: {getattr(e, 'problem', None) or e}") from None
+                raise APIError(422, yaml_error(e)) from None
         if ctype in ("application/json", ""):
             try:
                 return json.loads(text)

@@ -1,7 +1,7 @@
 """What the training-step benchmarks (``fsdp``, ``tp``) share: how configs are trained, timed and
 counted on the ranks, and how the per-rank results become one table.
 
-- ``Trainer``: one configuration (a wrapped copy of the model, AdamW ``LR``) and what was measured.
+- ``ConfigTrainer``: one configuration (a wrapped copy of the model, AdamW ``LR``) and what was measured.
   ``timed_step`` times one whole step (``zero_grad``, forward, loss, backward, ``step``) after a
   barrier; ``count_step`` runs one step counting the collectives it issues. Benches subclass it
   for how a config computes its loss (``forward_backward``) and counts collectives (``counter``).
@@ -88,7 +88,7 @@ class MLP(nn.Module):
 # ---- training --------------------------------------------------------------------------------
 
 
-class Trainer:
+class ConfigTrainer:
     """One configuration: its model (``wrap`` of a copy of ``base``), AdamW, and what was measured."""
 
     def __init__(self, name: str, spec: Any, base: nn.Module, wrap: Callable[[nn.Module], nn.Module]):
@@ -152,7 +152,7 @@ class Trainer:
 
 
 def train(
-    trainers: Sequence[Trainer],
+    trainers: Sequence[ConfigTrainer],
     batch: Callable[[int], Batch],
     steps: int,
     warmup: int,
@@ -183,7 +183,7 @@ def start_rank() -> tuple[int, int]:
 
 
 def train_all(
-    new_trainer: Callable[[str], Trainer],
+    new_trainer: Callable[[str], ConfigTrainer],
     configs: Sequence[str],
     batch: Callable[[int], Batch],
     reference_batch: Callable[[int], Batch],
@@ -193,7 +193,7 @@ def train_all(
 ) -> dict[str, dict]:
     """Run on every rank: train the distributed ``configs`` interleaved (every step behind a
     barrier); rank 0 then trains the single-process reference on ``reference_batch``. Returns
-    this rank's ``Trainer.result`` per config."""
+    this rank's ``ConfigTrainer.result`` per config."""
     trainers = [new_trainer(name) for name in configs]
     train(trainers, batch, steps, warmup, barrier=True, after=after)
     results = {t.name: t.result() for t in trainers}

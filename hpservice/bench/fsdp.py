@@ -63,7 +63,7 @@ from hpservice.bench import _harness as h
 from hpservice.bench._harness import LR, MIB, MLP, REFERENCE, count_patched, count_profiled
 from hpservice.launch import run_ranks
 
-__all__ = ["MLP", "ModelSpec", "Transformer", "add_parser", "bench_rank", "combine", "format_table", "summary"]
+__all__ = ["MLP", "FSDPWorkload", "Transformer", "add_parser", "bench_rank", "combine", "format_table", "summary"]
 
 CONFIGS = ("ours", "fsdp2", "ddp")
 # torch.distributed collectives FSDP2 may issue (2.13 names and the older ones).
@@ -81,7 +81,7 @@ _OUR_COLLECTIVES = ("all_gather_flat", "reduce_scatter_flat", "all_reduce_flat")
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class FSDPWorkload:
     """Model and data sizes. ``batch`` is per rank: sequences (transformer) or rows (mlp)."""
 
     kind: str  # "mlp" or "transformer"
@@ -106,10 +106,10 @@ class ModelSpec:
 
 
 SPECS = {
-    ("mlp", False): ModelSpec("mlp", dim=384, depth=4, batch=64),
-    ("mlp", True): ModelSpec("mlp", dim=32, depth=2, batch=4),
-    ("transformer", False): ModelSpec("transformer", dim=256, depth=4, batch=4, heads=4, vocab=1024, seq=64),
-    ("transformer", True): ModelSpec("transformer", dim=32, depth=2, batch=2, heads=2, vocab=64, seq=8),
+    ("mlp", False): FSDPWorkload("mlp", dim=384, depth=4, batch=64),
+    ("mlp", True): FSDPWorkload("mlp", dim=32, depth=2, batch=4),
+    ("transformer", False): FSDPWorkload("transformer", dim=256, depth=4, batch=4, heads=4, vocab=1024, seq=64),
+    ("transformer", True): FSDPWorkload("transformer", dim=32, depth=2, batch=2, heads=2, vocab=64, seq=8),
 }
 
 
@@ -159,13 +159,13 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(spec: ModelSpec) -> nn.Module:
+def make_model(spec: FSDPWorkload) -> nn.Module:
     if spec.kind == "mlp":
         return MLP(spec.dim, spec.depth)
     return Transformer(spec.vocab, spec.dim, spec.depth, spec.heads, spec.seq)
 
 
-def global_batch(spec: ModelSpec, step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(spec: FSDPWorkload, step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: the same on every rank and in every config."""
     g = torch.Generator().manual_seed(10_000 + step)
     n = spec.batch * world
@@ -175,7 +175,7 @@ def global_batch(spec: ModelSpec, step: int, world: int) -> tuple[torch.Tensor, 
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def compute_loss(spec: ModelSpec, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def compute_loss(spec: FSDPWorkload, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = model(x)
     if spec.kind == "mlp":
         return F.mse_loss(out, y)
@@ -217,10 +217,10 @@ _WRAPPERS: dict[str, Callable[[nn.Module, int], nn.Module]] = {
 }
 
 
-class _Trainer(h.Trainer):
+class _FSDPConfigTrainer(h.ConfigTrainer):
     """One configuration: its model, AdamW, and what was measured (also the RSS of one step)."""
 
-    def __init__(self, name: str, spec: ModelSpec, base: nn.Module, world: int):
+    def __init__(self, name: str, spec: FSDPWorkload, base: nn.Module, world: int):
         super().__init__(name, spec, base, lambda model: _WRAPPERS[name](model, world))
         self.rss_before = 0
         self.rss_peak = 0
@@ -271,7 +271,7 @@ def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world)[rank]
 
 
-def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
+def bench_rank(spec: FSDPWorkload, steps: int, warmup: int) -> dict:
     """Run on every rank: train every distributed config, interleaved; rank 0 then runs the
     single-process reference. Returns this rank's medians, memory, counts and final losses."""
     rank, world = h.start_rank()
@@ -282,7 +282,7 @@ def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
         return _local(x, rank, world), _local(y, rank, world)
 
     results = h.train_all(
-        lambda name: _Trainer(name, spec, base, world),
+        lambda name: _FSDPConfigTrainer(name, spec, base, world),
         CONFIGS,
         local_batch,
         lambda step: global_batch(spec, step, world),
@@ -328,7 +328,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
     }
 
 
-def summary(rows: dict[str, dict], spec: ModelSpec, world: int, steps: int, warmup: int, max_rss: int) -> dict:
+def summary(rows: dict[str, dict], spec: FSDPWorkload, world: int, steps: int, warmup: int, max_rss: int) -> dict:
     return h.summary("fsdp", rows, spec, world, steps, warmup, ratios(rows), max_rss_mib_per_rank=max_rss / MIB)
 
 

@@ -58,7 +58,7 @@ from hpservice.bench import _harness as h
 from hpservice.bench._harness import LR, MLP, REFERENCE
 from hpservice.launch import run_ranks
 
-__all__ = ["MLP", "ModelSpec", "add_parser", "bench_rank", "combine", "format_table", "summary"]
+__all__ = ["MLP", "TPWorkload", "add_parser", "bench_rank", "combine", "format_table", "summary"]
 
 CONFIGS = ("ours", "torch")
 
@@ -67,7 +67,7 @@ CONFIGS = ("ours", "torch")
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class TPWorkload:
     """Model and data sizes. The batch is ``batch x seq`` (rows of the MLP's input, or tokens);
     the same on every rank. Llama: ``dim``, ``depth``, ``heads``, ``kv_heads``, ``vocab`` are
     the ``LlamaConfig`` fields ``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``."""
@@ -119,16 +119,16 @@ class ModelSpec:
 
 
 SPECS = {
-    ("mlp", False): ModelSpec("mlp", dim=256, depth=4, batch=16, seq=8),
-    ("mlp", True): ModelSpec("mlp", dim=32, depth=2, batch=4, seq=4),
+    ("mlp", False): TPWorkload("mlp", dim=256, depth=4, batch=16, seq=8),
+    ("mlp", True): TPWorkload("mlp", dim=32, depth=2, batch=4, seq=4),
     # The "small" flavor's shapes (dim 256, 4 layers, 8 / 4 heads, vocab 256).
-    ("llama", False): ModelSpec("llama", dim=256, depth=4, batch=2, seq=64, heads=8, kv_heads=4, vocab=256),
+    ("llama", False): TPWorkload("llama", dim=256, depth=4, batch=2, seq=64, heads=8, kv_heads=4, vocab=256),
     # The "tiny" flavor (LlamaConfig defaults).
-    ("llama", True): ModelSpec("llama", dim=64, depth=2, batch=2, seq=16, heads=4, kv_heads=2, vocab=256),
+    ("llama", True): TPWorkload("llama", dim=64, depth=2, batch=2, seq=16, heads=4, kv_heads=2, vocab=256),
 }
 
 
-def make_model(spec: ModelSpec) -> nn.Module:
+def make_model(spec: TPWorkload) -> nn.Module:
     if spec.kind == "mlp":
         return MLP(spec.dim, spec.depth)
     from hpservice.models.llama import Llama
@@ -136,7 +136,7 @@ def make_model(spec: ModelSpec) -> nn.Module:
     return Llama(spec.llama_config())
 
 
-def global_batch(spec: ModelSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(spec: TPWorkload, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of ``step``: the same on every rank and in every config."""
     g = torch.Generator().manual_seed(10_000 + step)
     if spec.kind == "mlp":
@@ -157,7 +157,7 @@ def _mlp_plan(model: nn.Module, colwise, rowwise) -> dict:
     return plan
 
 
-def _wrap_ours(spec: ModelSpec, model: nn.Module, world: int) -> nn.Module:
+def _wrap_ours(spec: TPWorkload, model: nn.Module, world: int) -> nn.Module:
     from hpservice.dtensor import init_device_mesh
     from hpservice.parallel import ColwiseParallel, RowwiseParallel, apply_llama_tp, parallelize_module
 
@@ -204,7 +204,7 @@ def torch_llama_plan(model: nn.Module, sequence_parallel: bool = False) -> dict:
     return plan
 
 
-def _wrap_torch(spec: ModelSpec, model: nn.Module, world: int) -> nn.Module:
+def _wrap_torch(spec: TPWorkload, model: nn.Module, world: int) -> nn.Module:
     from torch.distributed.tensor import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -224,7 +224,7 @@ def _wrap_torch(spec: ModelSpec, model: nn.Module, world: int) -> nn.Module:
     return model
 
 
-def _loss_ours(spec: ModelSpec, out, y: torch.Tensor) -> torch.Tensor:
+def _loss_ours(spec: TPWorkload, out, y: torch.Tensor) -> torch.Tensor:
     if spec.kind == "mlp":
         return F.mse_loss(out, y)
     from hpservice.parallel import vocab_parallel_cross_entropy
@@ -232,16 +232,16 @@ def _loss_ours(spec: ModelSpec, out, y: torch.Tensor) -> torch.Tensor:
     return vocab_parallel_cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def _loss_plain(spec: ModelSpec, out, y: torch.Tensor) -> torch.Tensor:
+def _loss_plain(spec: TPWorkload, out, y: torch.Tensor) -> torch.Tensor:
     if spec.kind == "mlp":
         return F.mse_loss(out, y)
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-class _Trainer(h.Trainer):
+class _TPConfigTrainer(h.ConfigTrainer):
     """One configuration: its model, AdamW, and what was measured."""
 
-    def __init__(self, name: str, spec: ModelSpec, base: nn.Module, world: int):
+    def __init__(self, name: str, spec: TPWorkload, base: nn.Module, world: int):
         wrap = {"ours": _wrap_ours, "torch": _wrap_torch}.get(name)
         super().__init__(name, spec, base, lambda model: wrap(spec, model, world) if wrap else model)
 
@@ -262,7 +262,7 @@ class _Trainer(h.Trainer):
 # ---- per rank --------------------------------------------------------------------------------
 
 
-def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
+def bench_rank(spec: TPWorkload, steps: int, warmup: int) -> dict:
     """Run on every rank: train both distributed configs, interleaved; rank 0 then runs the
     single-process reference. Returns this rank's medians, memory, counts and final losses."""
     rank, world = h.start_rank()
@@ -271,7 +271,7 @@ def bench_rank(spec: ModelSpec, steps: int, warmup: int) -> dict:
     def batch(step: int) -> h.Batch:
         return global_batch(spec, step)
 
-    results = h.train_all(lambda name: _Trainer(name, spec, base, world), CONFIGS, batch, batch, steps, warmup)
+    results = h.train_all(lambda name: _TPConfigTrainer(name, spec, base, world), CONFIGS, batch, batch, steps, warmup)
     return {"rank": rank, "results": results}
 
 
@@ -299,7 +299,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
     }
 
 
-def summary(rows: dict[str, dict], spec: ModelSpec, world: int, steps: int, warmup: int) -> dict:
+def summary(rows: dict[str, dict], spec: TPWorkload, world: int, steps: int, warmup: int) -> dict:
     return h.summary("tp", rows, spec, world, steps, warmup, ratios(rows))
 
 

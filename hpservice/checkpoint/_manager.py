@@ -48,12 +48,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hpservice.dtensor import DTensor
 
 from ._state import load_optimizer_state_dict, optimizer_load_targets, optimizer_state_dict
-from ._storage import FsspecStorage, is_remote, local_path
+from ._storage import MANIFEST, FsspecStorage, is_remote, local_path
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 

@@ -19,7 +19,7 @@ from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach
 from . import _collectives as C
 from ._layout import DTensorSpec, local_shard_size_and_offset, normalize_placements, replicate_all
 from ._redistribute import execute_plan, plan_redistribution
-from .device_mesh import DeviceMesh
+from .device_mesh import DeviceMesh, mesh_device
 from .placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["DTensor", "distribute_tensor"]
@@ -362,7 +362,7 @@ def _global_shape(local_shape, mesh: DeviceMesh, placements: tuple[Placement, ..
             continue
         group = mesh.get_group(mesh_dim)
         k = mesh.size(mesh_dim)
-        mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=_comm_device(mesh))
+        mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=mesh_device(mesh))
         sizes = torch.empty(k, dtype=torch.int64, device=mine.device)
         C._all_gather_single(sizes, mine, group=group)
         sizes = sizes.tolist()
@@ -375,13 +375,6 @@ def _global_shape(local_shape, mesh: DeviceMesh, placements: tuple[Placement, ..
             )
         shape[p.dim] = total
     return tuple(shape)
-
-
-def _comm_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = torch.get_device_module(mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
 
 
 def distribute_tensor(
@@ -405,7 +398,7 @@ def distribute_tensor(
         raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
     local, fresh = tensor.detach(), False
     if local.device.type != mesh.device_type and not local.is_meta:  # meta stays meta (materialised later)
-        local, fresh = local.to(_comm_device(mesh)), True
+        local, fresh = local.to(mesh_device(mesh)), True
     for mesh_dim, p in enumerate(placements):
         k, index = mesh.size(mesh_dim), coord[mesh_dim]
         if src_data_rank is not None and not local.is_meta:

@@ -293,6 +293,14 @@ class DeviceMesh:
 _LIVE_ROOTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors for ``mesh``'s collectives live on: the CPU, or the current
+    accelerator of the mesh's device type."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
 def _rebuild_mesh(device_type, root_mesh, root_names, root_dims, names, flat_name) -> DeviceMesh:
     mesh_t = torch.tensor(root_mesh, dtype=torch.int64)
     key = (device_type, tuple(mesh_t.shape), tuple(mesh_t.flatten().tolist()), root_names)

@@ -348,9 +348,3 @@ class FSDPParamGroup:
         self._post_backward_done = False
         return needs_sync
 
-
-def group_device(mesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = torch.get_device_module(mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())

@@ -18,10 +18,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hpservice.dtensor import DeviceMesh, DTensor, Shard, init_device_mesh
+from hpservice.dtensor.device_mesh import mesh_device
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_param import FSDPParam
-from ._fsdp_param_group import FSDPParamGroup, group_device
+from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
@@ -208,7 +209,7 @@ def fully_shard(
         raise ValueError(f"fully_shard(mesh): expected a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh, got {mesh!r}")
     reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     ignored = {id(p) for p in ignored_params or ()}
-    device = group_device(mesh)
+    device = mesh_device(mesh)
 
     # Parameters of these modules not owned by an inner fully_shard, with every place they are used.
     found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = {}
