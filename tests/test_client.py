@@ -299,8 +299,8 @@ def fake(server, monkeypatch):
     """(store, url, argv prefix); the CLI's clients reconnect fast and its polling is quick."""
     svc, url = server
     svc.reset()
-    monkeypatch.setattr(cli, "_POLL_INTERVAL_S", 0.01)
-    monkeypatch.setattr(cli, "_client", lambda args: Client(args.url, args.token, reconnect_delay=0.01))
+    monkeypatch.setattr(cli.service, "_POLL_INTERVAL_S", 0.01)
+    monkeypatch.setattr(cli.service, "_client", lambda args: Client(args.url, args.token, reconnect_delay=0.01))
     monkeypatch.delenv("HPSERVICE_URL", raising=False)
     monkeypatch.delenv("HPSERVICE_TOKEN", raising=False)
     return svc, url, ["--url", url, "--token", TOKEN]

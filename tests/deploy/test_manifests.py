@@ -313,7 +313,7 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 
 def _known_env_names() -> set[str]:
     names = set()
-    for f in ("api/settings.py", "hpservice/serve.py", "hpservice/cli.py", "hpservice/client.py"):
+    for f in ("api/settings.py", "hpservice/serve.py", *map(str, sorted((ROOT / "hpservice" / "cli").glob("*.py"))), "hpservice/client.py"):
         names |= set(re.findall(r"os\.environ(?:\.get)?[\[(]\"([A-Z0-9_]+)\"", (ROOT / f).read_text()))
     return names
 

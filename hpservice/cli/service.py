@@ -1,18 +1,12 @@
-"""The ``hpservice`` command line.
-
-Local commands: ``demo``, ``version``, ``run``, ``validate``, ``schema``, ``export``, ``prepare-data``,
-``generate``, ``serve``. Commands
-that talk to a running control plane (``hpservice serve``) over HTTP: ``submit``, ``list``,
-``status``, ``watch``, ``logs``, ``cancel``, ``checkpoints``, ``artifacts``, ``delete``; each takes ``--url``
-(default ``HPSERVICE_URL``, else ``http://127.0.0.1:8000``), ``--token`` (default
-``HPSERVICE_TOKEN``) and ``--json`` (machine-readable output).
-
-Exit codes, for scripts: ``hpservice.jobs.ExitCode`` (``hpservice --help`` lists them).
-"""
+"""Commands that talk to a running control plane (``hpservice serve``) over HTTP, through
+``hpservice.client``: ``submit``, ``list``, ``status``, ``watch``, ``logs``, ``cancel``,
+``checkpoints``, ``artifacts``, ``delete``. Each takes ``--url`` (default ``HPSERVICE_URL``, else
+``http://127.0.0.1:8000``), ``--token`` (default ``HPSERVICE_TOKEN``) and ``--json``."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -20,295 +14,12 @@ from pathlib import Path
 
 from hpservice.jobs import EXIT_CODES_HELP, EXIT_FOR_STATE, TERMINAL_STATES, ExitCode, JobState, print_summary
 
+from .local import _load_launchable
+
 _POLL_INTERVAL_S = 1.0  # watch / logs -f polling when the event stream is unavailable
 
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="hpservice",
-        description="Distributed training service.",
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    from hpservice import __version__
-
-    parser.add_argument("--version", action="version", version=f"hpservice {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the DTensor core demo on local gloo ranks")
-    demo.add_argument("--ranks", type=int, default=4, help="number of local ranks (even, >= 2)")
-    sub.add_parser("version", help="print the version")
-    run = sub.add_parser("run", help="run a job on a local Ray (or --address) with a live progress bar")
-    run.add_argument("job")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
-    run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-    validate = sub.add_parser("validate", help="check a job file; print its errors with field paths")
-    validate.add_argument("job")
-    validate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
-    sub.add_parser("schema", help="print the job spec's JSON Schema (for editor completion)")
-    export = sub.add_parser(
-        "export",
-        help="write a sharded checkpoint's full model weights: one .safetensors file, or a Hugging Face directory",
-    )
-    export.add_argument("checkpoint", help="a committed checkpoint directory (step-N)")
-    export.add_argument("out", help="output .safetensors path, or directory with --format hf")
-    export.add_argument(
-        "--format",
-        choices=("safetensors", "hf"),
-        default="safetensors",
-        help="hf: config.json + sharded safetensors + index, for transformers' from_pretrained (llama)",
-    )
-    export.add_argument("--max-shard-mb", type=int, default=2048, help="hf: largest safetensors file (MiB)")
-    prep = sub.add_parser(
-        "prepare-data", help="tokenize text / JSONL files into a token file (+ metadata) for data.kind: tokens"
-    )
-    prep.add_argument("inputs", nargs="+", help="*.jsonl (one object per line) or text files (one document each)")
-    prep.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers tokenizer.json")
-    prep.add_argument("--out", required=True, help="the token file to write (*.u32.bin for vocabularies > 65536)")
-    prep.add_argument("--field", default="text", help="the JSONL field holding the document (default text)")
-    prep.add_argument("--val-fraction", type=float, default=0.0, help="share of documents for <out>-val.bin")
-    prep.add_argument("--eos-token", default=None, help="the separator between documents (default: the tokenizer's)")
-    prep.add_argument(
-        "--train-tokenizer",
-        action="store_true",
-        help="first train a byte-level BPE tokenizer on the inputs and save it to --tokenizer",
-    )
-    prep.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer: its vocabulary size")
-    gen = sub.add_parser("generate", help="generate text from a checkpoint (ours, step-N, or a Hugging Face directory)")
-    gen.add_argument("checkpoint", help="a committed step-N checkpoint directory, or a Hugging Face checkpoint directory")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: byte-level, for 256-token models)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=0)
-    serve = sub.add_parser("serve", help="run the REST control plane (FastAPI) with a local Ray or --ray-address")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs API tokens)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--data-dir", default=None, help="store directory (default HPSERVICE_DATA_DIR or ~/.hpservice)")
-    serve.add_argument(
-        "--ray-address", default=None, help="Ray cluster (default RAY_ADDRESS, else an embedded local Ray)"
-    )
-    serve.add_argument("--tokens-file", default=None, help="YAML {TOKEN: {owner, admin}}; also HPSERVICE_TOKENS")
-    serve.add_argument(
-        "--allow-model",
-        action="append",
-        default=[],
-        metavar="MODULE:FACTORY",
-        help="a model factory job specs may name (repeatable; also HPSERVICE_MODEL_FACTORIES and the "
-        "hpservice.models entry points); others are refused",
-    )
-    serve.add_argument(
-        "--data-root",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a directory job specs may read input files from (repeatable; also HPSERVICE_DATA_ROOTS); "
-        "without one, jobs read no files",
-    )
-    serve.add_argument(
-        "--num-cpus", type=int, default=None, help="CPUs the embedded Ray head offers jobs (default: this machine's cores)"
-    )
-    serve.add_argument("--num-gpus", type=int, default=None, help="GPUs the embedded Ray head offers (default: Ray's count)")
-    serve.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
-    serve.add_argument(
-        "--stop-ray",
-        action="store_true",
-        help="end the local Ray head a server with this --data-dir started (and the jobs on it), then exit",
-    )
-    _add_service_commands(sub)
-    args = parser.parse_args(argv)
-
-    if args.command in _SERVICE_COMMANDS:
-        return _run_service_command(args)
-
-    if args.command == "serve" and args.stop_ray:
-        from hpservice.serve import stop_ray
-
-        return stop_ray(args.data_dir)
-    if args.command == "serve":
-        from hpservice.serve import serve as run_server
-
-        return run_server(
-            args.host,
-            args.port,
-            args.data_dir,
-            args.ray_address,
-            args.tokens_file,
-            allow_models=args.allow_model,
-            data_roots=args.data_root,
-            docs=not args.no_docs,
-            num_cpus=args.num_cpus,
-            num_gpus=args.num_gpus,
-        )
-    if args.command == "version":
-        from hpservice import __version__
-
-        print(__version__)
-        return 0
-    if args.command == "demo":
-        from hpservice.demo import run_demo
-
-        return run_demo(args.ranks)
-    if args.command == "run":
-        spec = _load_launchable(args)
-        if spec is None:
-            return ExitCode.USAGE
-        if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
-            import torch
-
-            from hpservice.train._compile import check_compile_available
-
-            gpu = spec.resources.use_gpu
-            device = "cuda" if gpu is True or (gpu == "auto" and torch.cuda.is_available()) else "cpu"
-            if reason := check_compile_available(device):
-                print(f"{args.job}: {reason}", file=sys.stderr)
-                return 2
-        from hpservice.run_local import run_job
-
-        return run_job(spec, address=args.address)
-    if args.command == "validate":
-        spec = _load_launchable(args)
-        if spec is None:
-            return ExitCode.USAGE
-        print(
-            f"{args.job}: valid job {spec.name!r} ("
-            + (f"llama from {spec.model.init_from}" if spec.model.init_from else f"{spec.model.name}/{spec.model.flavor}")
-            + f", {spec.training.steps} steps)"
-        )
-        return 0
-    if args.command == "schema":
-        import json
-
-        from hpservice.spec import JobSpec
-
-        print(json.dumps(JobSpec.model_json_schema(by_alias=True), indent=2))
-        return 0
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "prepare-data":
-        return _prepare_data(args)
-    if args.command == "export":
-        from hpservice.checkpoint import CheckpointError, export_safetensors
-        from hpservice.models.hf import HFFormatError, export_checkpoint_hf
-
-        try:
-            if args.format == "hf":
-                done = export_checkpoint_hf(args.checkpoint, args.out, max_shard_bytes=args.max_shard_mb << 20)
-                print(f"wrote {done['tensors']} tensors in {len(done['files'])} files and config.json to {args.out}")
-                return 0
-            shapes = export_safetensors(args.checkpoint, args.out)
-        except (CheckpointError, HFFormatError, FileNotFoundError) as e:
-            print(f"hpservice export: {e}", file=sys.stderr)
-            return 1
-        print(f"wrote {len(shapes)} tensors to {args.out}")
-        return 0
-    parser.error(f"unknown command {args.command}")  # exits with status 2
-
-
-def _load_launchable(args, *, local: bool = True):
-    """The job file with ``--set`` overrides, checked as far as it can be before anything starts
-    (the spec; the parallelism divides ``resources.workers``; for a job run here, the model name
-    resolves on this machine); None after printing why."""
-    from hpservice.spec import SpecError, check_local_model, check_world, load_job
-
-    try:
-        spec = load_job(args.job, args.set)
-        check_world(spec, source=args.job)
-        if local:
-            check_local_model(spec, source=args.job)
-    except SpecError as e:
-        print(e, file=sys.stderr)
-        return None
-    return spec
-
-
-def _load_for_generation(path: str):
-    """A plain Llama with the weights of ``path``: our checkpoint (its recorded config) or a
-    Hugging Face directory."""
-    from pathlib import Path
-
-    import torch
-
-    from hpservice.checkpoint import CheckpointManager
-    from hpservice.models.hf import llama_config_from_hf, load_hf_weights
-    from hpservice.models.llama import Llama, LlamaConfig
-
-    p = Path(path)
-    if (p / "config.json").is_file():
-        model = Llama(llama_config_from_hf(p))
-        load_hf_weights(model, p)
-        return model
-    recorded = torch.load(p / "extra" / "rank-0.pt", weights_only=True).get("model") or {}
-    if recorded.get("name") != "llama":
-        raise ValueError(f"{p}: not a llama checkpoint with its config recorded")
-    model = Llama(LlamaConfig(**recorded["config"]))
-    CheckpointManager(p.parent).load(model, step=int(p.name.removeprefix("step-")))
-    return model
-
-
-def _generate(args) -> int:
-    from hpservice.data import ByteTokenizer
-    from hpservice.models.generate import generate
-
-    try:
-        model = _load_for_generation(args.checkpoint)
-        if args.tokenizer:
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(args.tokenizer)
-            encode, decode = (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
-            eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>") if tok.token_to_id(t) is not None), None)
-        elif model.cfg.vocab_size == 256:
-            byte = ByteTokenizer()
-            encode, decode, eos = byte.encode, byte.decode, None
-        else:
-            print(f"hpservice generate: a {model.cfg.vocab_size}-token model needs --tokenizer", file=sys.stderr)
-            return 2
-        ids = generate(
-            model, list(encode(args.prompt)), args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed, eos_id=eos,
-        )  # fmt: skip
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"hpservice generate: {e}", file=sys.stderr)
-        return 1
-    print(args.prompt + decode(ids))
-    return 0
-
-
-def _prepare_data(args) -> int:
-    from hpservice.data import DataPrepError, prepare_data, train_tokenizer
-
-    try:
-        if args.train_tokenizer:
-            if not args.vocab_size:
-                print("hpservice prepare-data: --train-tokenizer needs --vocab-size", file=sys.stderr)
-                return 2
-            train_tokenizer(args.inputs, args.tokenizer, args.vocab_size, field=args.field)
-            print(f"trained a {args.vocab_size}-token BPE tokenizer: {args.tokenizer}")
-        written = prepare_data(
-            args.inputs,
-            args.out,
-            args.tokenizer,
-            field=args.field,
-            val_fraction=args.val_fraction,
-            eos_token=args.eos_token,
-            progress=sys.stderr.isatty(),
-        )
-    except (DataPrepError, OSError) as e:
-        print(f"hpservice prepare-data: {e}", file=sys.stderr)
-        return 1
-    for split, meta in written.items():
-        print(f"{split}: {meta['tokens']} tokens of {meta['documents']} documents -> {meta['path']} ({meta['dtype']})")
-    return 0
-
-
-# -- service commands (talk to the REST control plane through hpservice.client) -------------------
-
-_SERVICE_COMMANDS = ("submit", "list", "status", "watch", "logs", "cancel", "checkpoints", "artifacts", "delete")
-
-
-def _add_service_commands(sub) -> None:
+def add_parsers(sub) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=None, help="service URL (default: HPSERVICE_URL, else http://127.0.0.1:8000)")
     common.add_argument("--token", default=None, help="bearer token (default: HPSERVICE_TOKEN)")
@@ -360,6 +71,12 @@ def _add_service_commands(sub) -> None:
     p.add_argument("-o", "--out", default=".", help="folder to download into (default: the current one)")
     p = add("delete", "delete an ended job and its stored metrics and events")
     p.add_argument("id")
+    handlers = {
+        "submit": _cmd_submit, "list": _cmd_list, "status": _cmd_status, "watch": _cmd_watch, "logs": _cmd_logs,
+        "cancel": _cmd_cancel, "checkpoints": _cmd_checkpoints, "artifacts": _cmd_artifacts, "delete": _cmd_delete,
+    }  # fmt: skip
+    for name, handler in handlers.items():
+        sub.choices[name].set_defaults(run=functools.partial(_guarded, handler))
 
 
 def _exit_code(e) -> int:
@@ -374,22 +91,12 @@ def _exit_code(e) -> int:
     return ExitCode.SERVER
 
 
-def _run_service_command(args) -> int:
+def _guarded(handler, args) -> int:
+    """Run a service command; a client error becomes its message and its exit code."""
     from hpservice.client import ClientError
 
-    handlers = {
-        "submit": _cmd_submit,
-        "list": _cmd_list,
-        "status": _cmd_status,
-        "watch": _cmd_watch,
-        "logs": _cmd_logs,
-        "cancel": _cmd_cancel,
-        "checkpoints": _cmd_checkpoints,
-        "artifacts": _cmd_artifacts,
-        "delete": _cmd_delete,
-    }
     try:
-        return handlers[args.command](args)
+        return handler(args)
     except ClientError as e:
         print(f"hpservice {args.command}: {e}", file=sys.stderr)
         return _exit_code(e)
@@ -760,7 +467,3 @@ def _cmd_artifacts(args) -> int:
 
 def _json_or_text(line: dict, as_json: bool) -> str:
     return json.dumps(line, separators=(",", ":")) if as_json else _log_text(line)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Commands that act on this machine: ``demo``, ``version``, ``run``, ``validate``, ``schema``,
+``export``, ``prepare-data``, ``generate``."""
+
+from __future__ import annotations
+
+import sys
+
+from hpservice.jobs import ExitCode
+
+
+def add_parsers(sub) -> None:
+    demo = sub.add_parser("demo", help="run the DTensor core demo on local gloo ranks")
+    demo.add_argument("--ranks", type=int, default=4, help="number of local ranks (even, >= 2)")
+    sub.add_parser("version", help="print the version")
+    run = sub.add_parser("run", help="run a job on a local Ray (or --address) with a live progress bar")
+    run.add_argument("job")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    validate = sub.add_parser("validate", help="check a job file; print its errors with field paths")
+    validate.add_argument("job")
+    validate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    sub.add_parser("schema", help="print the job spec's JSON Schema (for editor completion)")
+    export = sub.add_parser(
+        "export",
+        help="write a sharded checkpoint's full model weights: one .safetensors file, or a Hugging Face directory",
+    )
+    export.add_argument("checkpoint", help="a committed checkpoint directory (step-N)")
+    export.add_argument("out", help="output .safetensors path, or directory with --format hf")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="hf: config.json + sharded safetensors + index, for transformers' from_pretrained (llama)",
+    )
+    export.add_argument("--max-shard-mb", type=int, default=2048, help="hf: largest safetensors file (MiB)")
+    prep = sub.add_parser(
+        "prepare-data", help="tokenize text / JSONL files into a token file (+ metadata) for data.kind: tokens"
+    )
+    prep.add_argument("inputs", nargs="+", help="*.jsonl (one object per line) or text files (one document each)")
+    prep.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers tokenizer.json")
+    prep.add_argument("--out", required=True, help="the token file to write (*.u32.bin for vocabularies > 65536)")
+    prep.add_argument("--field", default="text", help="the JSONL field holding the document (default text)")
+    prep.add_argument("--val-fraction", type=float, default=0.0, help="share of documents for <out>-val.bin")
+    prep.add_argument("--eos-token", default=None, help="the separator between documents (default: the tokenizer's)")
+    prep.add_argument(
+        "--train-tokenizer",
+        action="store_true",
+        help="first train a byte-level BPE tokenizer on the inputs and save it to --tokenizer",
+    )
+    prep.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer: its vocabulary size")
+    gen = sub.add_parser("generate", help="generate text from a checkpoint (ours, step-N, or a Hugging Face directory)")
+    gen.add_argument("checkpoint", help="a committed step-N checkpoint directory, or a Hugging Face checkpoint directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: byte-level, for 256-token models)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=_demo)
+    sub.choices["version"].set_defaults(run=_version)
+    run.set_defaults(run=_run)
+    validate.set_defaults(run=_validate)
+    sub.choices["schema"].set_defaults(run=_schema)
+    export.set_defaults(run=_export)
+    prep.set_defaults(run=_prepare_data)
+    gen.set_defaults(run=_generate)
+
+
+def _version(args) -> int:
+    from hpservice import __version__
+
+    print(__version__)
+    return ExitCode.OK
+
+
+def _demo(args) -> int:
+    from hpservice.demo import run_demo
+
+    return run_demo(args.ranks)
+
+
+def _run(args) -> int:
+    spec = _load_launchable(args)
+    if spec is None:
+        return ExitCode.USAGE
+    if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
+        import torch
+
+        from hpservice.train._compile import check_compile_available
+
+        gpu = spec.resources.use_gpu
+        device = "cuda" if gpu is True or (gpu == "auto" and torch.cuda.is_available()) else "cpu"
+        if reason := check_compile_available(device):
+            print(f"{args.job}: {reason}", file=sys.stderr)
+            return ExitCode.USAGE
+    from hpservice.run_local import run_job
+
+    return run_job(spec, address=args.address)
+
+
+def _validate(args) -> int:
+    spec = _load_launchable(args)
+    if spec is None:
+        return ExitCode.USAGE
+    print(
+        f"{args.job}: valid job {spec.name!r} ("
+        + (f"llama from {spec.model.init_from}" if spec.model.init_from else f"{spec.model.name}/{spec.model.flavor}")
+        + f", {spec.training.steps} steps)"
+    )
+    return ExitCode.OK
+
+
+def _schema(args) -> int:
+    import json
+
+    from hpservice.spec import JobSpec
+
+    print(json.dumps(JobSpec.model_json_schema(by_alias=True), indent=2))
+    return ExitCode.OK
+
+
+def _export(args) -> int:
+    from hpservice.checkpoint import CheckpointError, export_safetensors
+    from hpservice.models.hf import HFFormatError, export_checkpoint_hf
+
+    try:
+        if args.format == "hf":
+            done = export_checkpoint_hf(args.checkpoint, args.out, max_shard_bytes=args.max_shard_mb << 20)
+            print(f"wrote {done['tensors']} tensors in {len(done['files'])} files and config.json to {args.out}")
+            return ExitCode.OK
+        shapes = export_safetensors(args.checkpoint, args.out)
+    except (CheckpointError, HFFormatError, FileNotFoundError) as e:
+        print(f"hpservice export: {e}", file=sys.stderr)
+        return ExitCode.FAILED
+    print(f"wrote {len(shapes)} tensors to {args.out}")
+    return ExitCode.OK
+
+
+def _load_launchable(args, *, local: bool = True):
+    """The job file with ``--set`` overrides, checked as far as it can be before anything starts
+    (the spec; the parallelism divides ``resources.workers``; for a job run here, the model name
+    resolves on this machine); None after printing why."""
+    from hpservice.spec import SpecError, check_local_model, check_world, load_job
+
+    try:
+        spec = load_job(args.job, args.set)
+        check_world(spec, source=args.job)
+        if local:
+            check_local_model(spec, source=args.job)
+    except SpecError as e:
+        print(e, file=sys.stderr)
+        return None
+    return spec
+
+
+def _load_for_generation(path: str):
+    """A plain Llama with the weights of ``path``: our checkpoint (its recorded config) or a
+    Hugging Face directory."""
+    from pathlib import Path
+
+    import torch
+
+    from hpservice.checkpoint import CheckpointManager
+    from hpservice.models.hf import llama_config_from_hf, load_hf_weights
+    from hpservice.models.llama import Llama, LlamaConfig
+
+    p = Path(path)
+    if (p / "config.json").is_file():
+        model = Llama(llama_config_from_hf(p))
+        load_hf_weights(model, p)
+        return model
+    recorded = torch.load(p / "extra" / "rank-0.pt", weights_only=True).get("model") or {}
+    if recorded.get("name") != "llama":
+        raise ValueError(f"{p}: not a llama checkpoint with its config recorded")
+    model = Llama(LlamaConfig(**recorded["config"]))
+    CheckpointManager(p.parent).load(model, step=int(p.name.removeprefix("step-")))
+    return model
+
+
+def _generate(args) -> int:
+    from hpservice.data import ByteTokenizer
+    from hpservice.models.generate import generate
+
+    try:
+        model = _load_for_generation(args.checkpoint)
+        if args.tokenizer:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(args.tokenizer)
+            encode, decode = (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
+            eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>") if tok.token_to_id(t) is not None), None)
+        elif model.cfg.vocab_size == 256:
+            byte = ByteTokenizer()
+            encode, decode, eos = byte.encode, byte.decode, None
+        else:
+            print(f"hpservice generate: a {model.cfg.vocab_size}-token model needs --tokenizer", file=sys.stderr)
+            return 2
+        ids = generate(
+            model, list(encode(args.prompt)), args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, seed=args.seed, eos_id=eos,
+        )  # fmt: skip
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"hpservice generate: {e}", file=sys.stderr)
+        return 1
+    print(args.prompt + decode(ids))
+    return 0
+
+
+def _prepare_data(args) -> int:
+    from hpservice.data import DataPrepError, prepare_data, train_tokenizer
+
+    try:
+        if args.train_tokenizer:
+            if not args.vocab_size:
+                print("hpservice prepare-data: --train-tokenizer needs --vocab-size", file=sys.stderr)
+                return 2
+            train_tokenizer(args.inputs, args.tokenizer, args.vocab_size, field=args.field)
+            print(f"trained a {args.vocab_size}-token BPE tokenizer: {args.tokenizer}")
+        written = prepare_data(
+            args.inputs,
+            args.out,
+            args.tokenizer,
+            field=args.field,
+            val_fraction=args.val_fraction,
+            eos_token=args.eos_token,
+            progress=sys.stderr.isatty(),
+        )
+    except (DataPrepError, OSError) as e:
+        print(f"hpservice prepare-data: {e}", file=sys.stderr)
+        return 1
+    for split, meta in written.items():
+        print(f"{split}: {meta['tokens']} tokens of {meta['documents']} documents -> {meta['path']} ({meta['dtype']})")
+    return 0
+
+

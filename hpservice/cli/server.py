@@ -1,0 +1,62 @@
+"""``hpservice serve``: the REST control plane (FastAPI) with its own local Ray head, or a cluster's."""
+
+from __future__ import annotations
+
+
+def add_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="run the REST control plane (FastAPI) with a local Ray or --ray-address")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs API tokens)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--data-dir", default=None, help="store directory (default HPSERVICE_DATA_DIR or ~/.hpservice)")
+    serve.add_argument(
+        "--ray-address", default=None, help="Ray cluster (default RAY_ADDRESS, else an embedded local Ray)"
+    )
+    serve.add_argument("--tokens-file", default=None, help="YAML {TOKEN: {owner, admin}}; also HPSERVICE_TOKENS")
+    serve.add_argument(
+        "--allow-model",
+        action="append",
+        default=[],
+        metavar="MODULE:FACTORY",
+        help="a model factory job specs may name (repeatable; also HPSERVICE_MODEL_FACTORIES and the "
+        "hpservice.models entry points); others are refused",
+    )
+    serve.add_argument(
+        "--data-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory job specs may read input files from (repeatable; also HPSERVICE_DATA_ROOTS); "
+        "without one, jobs read no files",
+    )
+    serve.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs the embedded Ray head offers jobs (default: this machine's cores)"
+    )
+    serve.add_argument("--num-gpus", type=int, default=None, help="GPUs the embedded Ray head offers (default: Ray's count)")
+    serve.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
+    serve.add_argument(
+        "--stop-ray",
+        action="store_true",
+        help="end the local Ray head a server with this --data-dir started (and the jobs on it), then exit",
+    )
+    serve.set_defaults(run=_serve)
+
+
+def _serve(args) -> int:
+    if args.stop_ray:
+        from hpservice.serve import stop_ray
+
+        return stop_ray(args.data_dir)
+    from hpservice.serve import serve
+
+    return serve(
+        args.host,
+        args.port,
+        args.data_dir,
+        args.ray_address,
+        args.tokens_file,
+        allow_models=args.allow_model,
+        data_roots=args.data_root,
+        docs=not args.no_docs,
+        num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
+    )
