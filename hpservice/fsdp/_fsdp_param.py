@@ -34,6 +34,8 @@ import torch.nn as nn
 from hpservice.dtensor import DeviceMesh, DTensor, Replicate, Shard
 from hpservice.dtensor._layout import DTensorSpec, local_shard_size_and_offset
 
+from ._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
 
 def combined_mesh(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
     """The mesh ``(first's dims..., second's dims...)`` of their root mesh, for parameters sharded
@@ -53,7 +55,9 @@ def combined_mesh(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
 class FSDPParam:
     """Metadata and views for one parameter managed by an FSDPParamGroup."""
 
-    def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], shard_dim: int | None, mesh, hsdp: bool):
+    def __init__(
+        self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], shard_dim: int | None, mesh_info: FSDPMeshInfo
+    ):
         self.uses = uses  # every (module, attribute name) that holds this parameter (tied weights)
         self._requires_grad_at_init = param.requires_grad
         self.orig_dtype = param.dtype
@@ -70,15 +74,15 @@ class FSDPParam:
         if shard_dim is None:  # the first dim tensor parallelism leaves whole (dim 0 if it shards them all)
             shard_dim = next((d for d in range(param.ndim) if d not in tp_dims), 0)
         self.shard_dim = shard_dim % param.ndim
-        self.mesh = mesh
-        shard_mesh_dim = mesh.ndim - 1
-        self.world = mesh.size(shard_mesh_dim)
-        self.rank = mesh.get_local_rank(shard_mesh_dim)
+        mesh = self.mesh = mesh_info.mesh
+        self.shard_size = mesh_info.shard_mesh_size  # S
+        self.rank = mesh_info.shard_mesh_rank
         n = self.shape[self.shard_dim]
-        self.chunk = -(-n // self.world)
-        self.local_size, _ = local_shard_size_and_offset(n, self.world, self.rank)
+        self.chunk = -(-n // self.shard_size)
+        self.local_size, _ = local_shard_size_and_offset(n, self.shard_size, self.rank)
         self.padded_shard_shape = self.shape[: self.shard_dim] + (self.chunk,) + self.shape[self.shard_dim + 1 :]
         self.numel = math.prod(self.padded_shard_shape)
+        hsdp = isinstance(mesh_info, HSDPMeshInfo)
         placements = (Replicate(), Shard(self.shard_dim)) if hsdp else (Shard(self.shard_dim),)
         if self.tp_spec is None:
             self.spec = DTensorSpec(mesh, placements, self.shape, tuple(param.stride()))
@@ -181,8 +185,8 @@ class FSDPParam:
     def init_unsharded(self, flat_unsharded: torch.Tensor, offset: int) -> None:
         """The unsharded parameter: the unpadded view of this slot of the unsharded buffer."""
         self.unsharded_offset = offset
-        padded_shape = self.shape[: self.shard_dim] + (self.chunk * self.world,) + self.shape[self.shard_dim + 1 :]
-        slot = flat_unsharded[offset : offset + self.numel * self.world].view(padded_shape)
+        padded_shape = self.shape[: self.shard_dim] + (self.chunk * self.shard_size,) + self.shape[self.shard_dim + 1 :]
+        slot = flat_unsharded[offset : offset + self.numel * self.shard_size].view(padded_shape)
         self._unsharded_padded = slot
         unsharded = slot.narrow(self.shard_dim, 0, self.shape[self.shard_dim])
         if self.tp_spec is not None:
@@ -193,8 +197,8 @@ class FSDPParam:
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank-major all-gather output ``(S, C)`` -> this parameter's padded full slot."""
         d = self.shard_dim
-        block = gathered[:, self.offset : self.offset + self.numel].view((self.world,) + self.padded_shard_shape)
-        dst = self._unsharded_padded.unflatten(d, (self.world, self.chunk))
+        block = gathered[:, self.offset : self.offset + self.numel].view((self.shard_size,) + self.padded_shard_shape)
+        dst = self._unsharded_padded.unflatten(d, (self.shard_size, self.chunk))
         dst.copy_(block.movedim(0, d))
 
     def copy_in_grad(self, grad: torch.Tensor, flat_in: torch.Tensor) -> None:
@@ -221,18 +225,18 @@ class FSDPParam:
             row = grad.shape[1]
             if full_chunks:
                 dst[:full_chunks].copy_(grad[: full_chunks * self.chunk].reshape(full_chunks, self.numel))
-            if full_chunks < self.world:
+            if full_chunks < self.shard_size:
                 tail = dst[full_chunks]
                 if rem:
                     tail[: rem * row].copy_(grad[full_chunks * self.chunk :].reshape(-1))
                 tail[rem * row :].zero_()
                 dst[full_chunks + 1 :].zero_()
             return
-        dst = dst.view((self.world,) + self.padded_shard_shape)
-        pad = self.chunk * self.world - n
+        dst = dst.view((self.shard_size,) + self.padded_shard_shape)
+        pad = self.chunk * self.shard_size - n
         if pad:
             grad = torch.nn.functional.pad(grad, [0, 0] * (grad.ndim - d - 1) + [0, pad])
-        dst.copy_(grad.unflatten(d, (self.world, self.chunk)).movedim(d, 0))
+        dst.copy_(grad.unflatten(d, (self.shard_size, self.chunk)).movedim(d, 0))
 
     def global_to_local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full (global-shape) tensor for the sharded parameter."""

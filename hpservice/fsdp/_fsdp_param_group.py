@@ -34,6 +34,7 @@ from hpservice.dtensor import DTensor
 
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from ._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 from ._fsdp_param import FSDPParam
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -71,20 +72,21 @@ class FSDPParamGroup:
     def __init__(
         self,
         params: list[FSDPParam],
-        mesh,
+        mesh_info: FSDPMeshInfo,
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
     ):
         self.params = params
-        self.mesh = mesh
+        self.mesh_info = mesh_info
+        self.mesh = mesh_info.mesh
         self.fqn = ""  # the module's name in the root, set at the root's lazy init (profiler labels)
         self.state = ShardState.SHARDED
-        self.hsdp = mesh.ndim == 2
-        self.shard_group = mesh.get_group(mesh.ndim - 1)
-        self.replicate_group = mesh.get_group(0) if self.hsdp else None
-        self.world = mesh.size(mesh.ndim - 1)
-        self.replicas = mesh.size(0) if self.hsdp else 1
+        self.shard_group = mesh_info.shard_process_group
+        self.shard_size = mesh_info.shard_mesh_size  # S
+        hsdp = isinstance(mesh_info, HSDPMeshInfo)
+        self.replicate_group = mesh_info.replicate_process_group if hsdp else None
+        self.replicas = mesh_info.replicate_mesh_size if hsdp else 1
         self.mp_policy = mp_policy
         self.device = device
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -127,7 +129,7 @@ class FSDPParamGroup:
         self.param_dtype = self.mp_policy.param_dtype or orig_dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
         shard_device = torch.device("cpu") if self.offload else self.device
-        S, C, pin = self.world, self.numel, self._pin
+        S, C, pin = self.shard_size, self.numel, self._pin
         self.flat_shard = torch.zeros(C, dtype=orig_dtype, device=shard_device, pin_memory=pin)
         self.grad_flat = torch.zeros(C, dtype=orig_dtype, device=shard_device, pin_memory=pin)
         same = self.param_dtype == orig_dtype and not self.offload
@@ -223,7 +225,7 @@ class FSDPParamGroup:
                 with self._label("all_gather_wait"):
                     self._ag_work.wait()
                 self._ag_work = None
-            gathered = self.ag_out.view(self.world, self.numel)
+            gathered = self.ag_out.view(self.shard_size, self.numel)
             preserve_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
             with self._label("all_gather_copy_out"), torch.no_grad(), preserve_version:
                 for p in self.params:
@@ -267,15 +269,15 @@ class FSDPParamGroup:
     def _divide_factors(self) -> tuple[float, float]:
         if self.reduce_op == "sum":
             return 1.0, 1.0
-        factor = self.divide_factor if self.divide_factor is not None else float(self.world * self.replicas)
+        factor = self.divide_factor if self.divide_factor is not None else float(self.shard_size * self.replicas)
         if self.reduce_dtype in _LOW_PRECISION and self.divide_factor is None:
-            pre = float(_predivide_factor(self.world * self.replicas))
+            pre = float(_predivide_factor(self.shard_size * self.replicas))
             return pre, factor / pre
         # fp32/fp64 cannot overflow here: divide only the reduced shard (S times less work).
         return 1.0, factor
 
     def _issue_reduce_scatter(self) -> None:
-        flat_in = self.rs_in.view(self.world, self.numel)
+        flat_in = self.rs_in.view(self.shard_size, self.numel)
         with self._label("reduce_scatter_copy_in"), torch.no_grad():
             for p in self.params:
                 grad = p.unsharded_param.grad if p.requires_grad else None

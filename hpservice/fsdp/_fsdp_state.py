@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from ._fsdp_api import MixedPrecisionPolicy
+from ._fsdp_common import TrainingState
 from ._fsdp_param_group import FSDPParamGroup
 
 
@@ -61,7 +62,7 @@ class FSDPState:
         self.root: FSDPState | None = None
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self._pre_backward_done = False
+        self.training_state = TrainingState.IDLE
         # Root only.
         self._states: list[FSDPState] = []
         self._order: list[FSDPState] = []  # pre-forward order: forward prefetch
@@ -105,6 +106,8 @@ class FSDPState:
         if self.root is None:
             self._lazy_init()
         root = self.root
+        if torch._C._current_graph_task_id() == -1:  # not activation checkpointing's recompute
+            self.training_state = TrainingState.FORWARD
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -133,8 +136,8 @@ class FSDPState:
             root._post_order.append(self)
         if self.group is not None and (not grad or self.group.reshard_after_forward):
             self.group.reshard()
+        self.training_state = TrainingState.IDLE
         if grad:
-            self._pre_backward_done = False
             tree_map(self._register_pre_backward, output)
         if self.is_root:
             self._order_recorded = True
@@ -163,8 +166,8 @@ class FSDPState:
         if not root._callback_queued:
             root._callback_queued = True
             Variable._execution_engine.queue_callback(root._finalize_backward)
-        if not self._pre_backward_done:
-            self._pre_backward_done = True
+        if self.training_state is not TrainingState.PRE_BACKWARD:  # the first output gradient of this backward
+            self.training_state = TrainingState.PRE_BACKWARD
             if self.group is not None:
                 self.group.wait_for_unshard()
                 for target in self._backward_targets():
@@ -200,7 +203,7 @@ class FSDPState:
         if needs_sync:  # any offloaded gradient copy was asynchronous (AUDIT 7: any, not the last)
             torch.get_device_module(groups[0].device.type).current_stream().synchronize()
         for s in self._states:
-            s._pre_backward_done = False
+            s.training_state = TrainingState.IDLE
         self._callback_queued = False
 
 

@@ -21,6 +21,7 @@ from hpservice.dtensor import DeviceMesh, DTensor, Shard, init_device_mesh
 from hpservice.dtensor.device_mesh import mesh_device
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_common import mesh_info
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_state import FSDPState
@@ -205,9 +206,10 @@ def fully_shard(
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard(offload_policy): expected an OffloadPolicy, got {offload_policy!r}")
     mesh = mesh if mesh is not None else _default_mesh()
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+    if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"fully_shard(mesh): expected a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh, got {mesh!r}")
-    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    info = mesh_info(mesh)
+    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info.shard_mesh_size)
     ignored = {id(p) for p in ignored_params or ()}
     device = mesh_device(mesh)
 
@@ -242,11 +244,11 @@ def fully_shard(
         shard_dim = placement.dim if placement is not None else None
         if shard_dim is not None and not -p.ndim <= shard_dim < max(p.ndim, 1):
             raise ValueError(f"shard_placement_fn returned {placement!r} for a parameter of shape {tuple(p.shape)}")
-        params.append(FSDPParam(p, uses, shard_dim, mesh, hsdp=mesh.ndim == 2))
+        params.append(FSDPParam(p, uses, shard_dim, info))
 
     group = None
     if params:
-        group = FSDPParamGroup(params, mesh, device, mp_policy, offload_policy)
+        group = FSDPParamGroup(params, info, device, mp_policy, offload_policy)
         for fp, (p, _, fqns) in zip(params, found.values(), strict=True):
             local = p._local_tensor if isinstance(p, DTensor) else p
             fp.init_sharded(local.detach() if local.is_meta else local.detach().to(device), group.flat_shard)
