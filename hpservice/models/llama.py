@@ -381,6 +381,14 @@ class Llama(nn.Module):
             layer.reset_parameters()
         self.norm.reset_parameters()
 
+    def parallelize(self, tp_mesh, *, sequence_parallel: bool = False) -> None:
+        """Tensor (and sequence) parallelism on the 1-d ``tp_mesh``, in place: this model's plan,
+        ``hpservice.parallel.apply_llama_tp`` (torchtitan's ``parallelize_llama``). The trainer calls
+        ``model.parallelize`` for ``parallelism.tp > 1``; a custom model brings its own."""
+        from hpservice.parallel import apply_llama_tp
+
+        apply_llama_tp(self, tp_mesh, sequence_parallel=sequence_parallel)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: LongTensor [B, S] with S <= max_seq_len -> logits [B, S, vocab_size]."""
         seq_len = tokens.shape[1]

@@ -33,8 +33,7 @@ from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
 from hpservice.models.hf import load_hf_weights
-from hpservice.models.llama import Llama
-from hpservice.parallel import apply_llama_tp, vocab_parallel_cross_entropy
+from hpservice.parallel import vocab_parallel_cross_entropy
 from hpservice.spec import JobSpec, new_run_id
 
 from ._activation_checkpointing import apply_activation_checkpointing
@@ -53,6 +52,8 @@ class TrainingError(RuntimeError):
 
 
 # ---- parallelism: small functions, as torchtitan applies them ---------------------------------
+DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"  # the world mesh's dim names, outer to inner
+
 def init_distributed(device_type: str) -> bool:
     """Join torch.distributed from env:// (torchrun, Ray workers), or make a world of one.
     Returns True if this call created the process group (the caller destroys it)."""
@@ -84,15 +85,15 @@ def build_mesh(spec: JobSpec, device: torch.device) -> DeviceMesh:
     innermost dim), so on a GPU box tp stays within a node."""
     replicate, shard = spec.parallelism.resolve(dist.get_world_size())
     tp = spec.parallelism.tp
-    dims = [("dp_replicate", replicate), ("dp_shard", shard), ("tp", tp)]
-    dims = [(n, s) for n, s in dims if s > 1 or (n == "dp_shard" and (tp == 1 or replicate > 1))]
+    dims = [(DP_REPLICATE, replicate), (DP_SHARD, shard), (TP, tp)]
+    dims = [(n, s) for n, s in dims if s > 1 or (n == DP_SHARD and (tp == 1 or replicate > 1))]
     names, sizes = zip(*dims, strict=True)
     return init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(names))
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The sub-mesh fully_shard shards over (None with tensor parallelism alone)."""
-    names = tuple(n for n in mesh.mesh_dim_names if n.startswith("dp_"))
+    names = tuple(n for n in mesh.mesh_dim_names if n in (DP_REPLICATE, DP_SHARD))
     return mesh[names] if names else None
 
 
@@ -112,12 +113,17 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
-    """Tensor parallelism on the 1-d "tp" mesh: the built-in Llama's plan (``apply_llama_tp``).
-    On a meta-device model it only records layouts: each rank later allocates its own pieces."""
-    if not isinstance(model, Llama):
-        raise TrainingError(f"parallelism.tp > 1 supports the built-in llama only, got {type(model).__name__}")
+    """Tensor parallelism on the 1-d "tp" mesh: the model's own plan, ``model.parallelize(tp_mesh,
+    sequence_parallel=...)`` (the built-in llama's is ``apply_llama_tp``; a custom model brings
+    one). On a meta-device model it only records layouts: each rank later allocates its pieces."""
+    parallelize = getattr(model, "parallelize", None)
+    if not callable(parallelize):
+        raise TrainingError(
+            f"parallelism.tp > 1 needs a model with a parallelize(tp_mesh, sequence_parallel=...) method, as the "
+            f"built-in llama has; {type(model).__name__} has none"
+        )
     try:
-        apply_llama_tp(model, mesh, sequence_parallel=spec.parallelism.sequence_parallel)
+        parallelize(mesh, sequence_parallel=spec.parallelism.sequence_parallel)
     except ValueError as e:
         raise TrainingError(str(e)) from e
 
@@ -288,7 +294,7 @@ class Trainer:
         m = spec.model
         self.model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
         if self.tp:
-            apply_tp(self.model, self.mesh["tp"], spec)
+            apply_tp(self.model, self.mesh[TP], spec)
         try:  # after tp, before fully_shard (torchtitan's order)
             apply_activation_checkpointing(self.model, spec)
             if spec.training.compile:

@@ -376,3 +376,15 @@ def test_full_activation_checkpointing_composes_with_hsdp_offload_and_sp(ranks, 
     checkpointed = ranks(world).run(_losses_and_grad_norms, spec)[0]
     for (la, ga), (lb, gb) in zip(plain, checkpointed, strict=True):
         assert la == pytest.approx(lb, abs=1e-6) and ga == pytest.approx(gb, abs=1e-6)
+
+
+def test_tensor_parallelism_comes_from_the_models_own_plan(tmp_path):
+    """The trainer asks the model for its plan (``model.parallelize``): the built-in llama has one
+    (torchtitan's parallelize_llama), a model without one gets the reason."""
+    from hpservice.models.llama import Llama
+    from hpservice.train import apply_tp
+
+    assert callable(Llama.parallelize)
+    spec = _spec(tmp_path, parallelism={"tp": 2})
+    with pytest.raises(TrainingError, match=r"needs a model with a parallelize\(tp_mesh, sequence_parallel=\.\.\.\) method"):
+        apply_tp(nn.Linear(2, 2), None, spec)
