@@ -75,13 +75,21 @@ def cluster_fit(workers: int, cpus: float, gpus: int) -> str | None:
     return f"{why}; to fit it: {' or '.join(fixes)}"
 
 
+def attempt_spec(spec, resume: bool, gpus: int):
+    """What the workers of an attempt run, decided once, by the coordinator: GPUs or not (never
+    ``auto``: ``gpus`` is ``ResourcesSpec.gpus_per_worker``'s answer for the cluster), and from the
+    latest checkpoint after a restart. The workers and the trainer take it as it is."""
+    resources = spec.resources.model_copy(update={"use_gpu": bool(gpus)})
+    checkpoint = spec.checkpoint.model_copy(update={"resume_from": "latest"}) if resume else spec.checkpoint
+    return spec.model_copy(update={"resources": resources, "checkpoint": checkpoint})
+
+
 @ray.remote(num_cpus=0, max_concurrency=16)
 class Coordinator:
     def __init__(self, job_id: str, spec_json: str):
         from hpservice.spec import JobSpec
 
         self.job_id = job_id
-        self.spec_json = spec_json
         self.spec = JobSpec.model_validate_json(spec_json)
         self._lock = threading.Lock()
         self._history: list[dict] = []
@@ -199,8 +207,7 @@ class Coordinator:
         """Run the job to a terminal state; returns it."""
         spec = self.spec
         r = spec.resources
-        use_gpu = r.use_gpu if r.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) >= r.workers
-        gpus = 1 if use_gpu else 0
+        gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
         why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
         if why is not None:
             self._set_state(JobState.FAILED, why)
@@ -246,6 +253,7 @@ class Coordinator:
 
     def _run_attempt(self, resume: bool, gpus: int) -> tuple[str, str]:
         spec = self.spec
+        attempt_json = attempt_spec(spec, resume, gpus).model_dump_json(by_alias=True)
         n = spec.resources.workers
         self._workers = [
             TrainWorker.options(
@@ -260,7 +268,7 @@ class Coordinator:
             addresses = ray.get([w.address.remote() for w in self._workers], timeout=300)
             master_addr, master_port, _ = addresses[0]
             ray.get(
-                [w.start.remote(self.spec_json, master_addr, master_port, resume) for w in self._workers], timeout=300
+                [w.start.remote(attempt_json, master_addr, master_port) for w in self._workers], timeout=300
             )
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise _Failure(f"workers failed to start: {type(e).__name__}: {e}") from None

@@ -36,13 +36,11 @@ class TrainWorker:
         """(node IP, a free port on it, this process's PID): rank 0's is the rendezvous address."""
         return ray.util.get_node_ip_address(), free_port(host=""), os.getpid()
 
-    def start(self, spec_json: str, master_addr: str, master_port: int, resume: bool) -> None:
+    def start(self, spec_json: str, master_addr: str, master_port: int) -> None:
+        """Run the attempt's spec, as the coordinator resolved it (GPUs, resume point)."""
         from hpservice.spec import JobSpec
 
         spec = JobSpec.model_validate_json(spec_json)
-        if resume:
-            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
-        gpu_ids = ray.get_gpu_ids()
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -51,8 +49,6 @@ class TrainWorker:
             LOCAL_RANK="0",  # Ray shows each worker only its own GPU
             LOCAL_WORLD_SIZE="1",
         )
-        if gpu_ids:
-            spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"use_gpu": True})})
         self._thread = threading.Thread(target=self._run, args=(spec,), name=f"trainer-rank{self.rank}", daemon=True)
         self._thread.start()
 

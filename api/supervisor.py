@@ -125,7 +125,7 @@ class Supervisor:
         if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
         r = spec.resources
-        gpus = 1 if r.use_gpu is True else 0
+        gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
         with self._lock:
             if (self.store.get_job(job["id"]) or {}).get("state") != JobState.QUEUED or self.store.is_started(job["id"]):
                 return  # cancelled (or launched) meanwhile

@@ -275,8 +275,18 @@ class ParallelismSpec(_Section):
 
 class ResourcesSpec(_Section):
     workers: int = Field(1, ge=1, description="training workers (one per GPU, or per CPU slot)")
-    use_gpu: Literal["auto"] | bool = "auto"
+    use_gpu: Literal["auto"] | bool = Field(
+        "auto", description="a GPU per worker: true, false, or auto (when the cluster has one for every worker)"
+    )
     cpus_per_worker: float = Field(1.0, gt=0)
+
+    def gpus_per_worker(self, cluster_gpus: float) -> int:
+        """The one decision of "does this job use GPUs": 1 or 0 per worker, given the GPUs the
+        cluster has. The coordinator makes it per attempt and hands the workers a spec where
+        ``use_gpu`` is that answer, never ``auto``."""
+        if self.use_gpu == "auto":
+            return 1 if cluster_gpus >= self.workers else 0
+        return 1 if self.use_gpu else 0
 
 
 class CheckpointSpec(_Section):

@@ -127,3 +127,16 @@ def test_a_layout_that_cannot_fill_the_workers_is_refused_before_anything_starts
     assert main(["validate", str(job)]) == 2 and fragment in capsys.readouterr().err
     assert main(["run", str(job)]) == 2  # refused before Ray starts
     assert "(resources.workers is 2)" in capsys.readouterr().err
+
+
+def test_the_gpu_question_is_decided_once_and_handed_down():
+    from actors.coordinator import attempt_spec
+
+    auto = parse_job({"name": "a", "resources": {"workers": 2}}).resources
+    assert (auto.gpus_per_worker(0), auto.gpus_per_worker(1), auto.gpus_per_worker(2)) == (0, 0, 1)
+    assert parse_job({"name": "a", "resources": {"use_gpu": True}}).resources.gpus_per_worker(0) == 1
+    spec = parse_job({"name": "a", "resources": {"workers": 2}, "checkpoint": {"interval": 5}})
+    first, restart = attempt_spec(spec, False, 1), attempt_spec(spec, True, 0)
+    assert first.resources.use_gpu is True and first.checkpoint.resume_from is None
+    assert restart.resources.use_gpu is False and restart.checkpoint.resume_from == "latest"
+    assert spec.resources.use_gpu == "auto"  # the stored spec stays as submitted
