@@ -5,9 +5,10 @@ starts one TrainWorker per bundle with ranks in bundle order (consecutive ranks 
 the innermost mesh dim, dp_shard, is node-local and dp_replicate spans nodes), gives them rank 0's
 address for the rendezvous, and then supervises:
 
-- every ``POLL_S`` it polls the workers; a dead worker (process lost, node lost) or a raised
-  exception tears the group down and restarts it from the latest committed checkpoint, up to
-  ``failure.max_restarts`` times with back-off;
+- every ``POLL_S`` it polls the workers (``policy.WorkerPoll``); a dead worker (process lost, node
+  lost) or a raised exception tears the group down, and the restart policy (``policy``) decides:
+  restart from the latest committed checkpoint, up to ``failure.max_restarts`` times with
+  back-off, or fail at once when the spec itself cannot run (a config error);
 - a watchdog: no rank makes progress for ``failure.step_timeout_s`` (``startup_timeout_s`` until
   the first step of an attempt: rendezvous, model build, checkpoint load) -> the stacks of every
   rank go to the log, then restart or fail;
@@ -35,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hpservice.jobs import JobState
 
+from .policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls
 from .worker import TrainWorker
 
 METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted
@@ -51,7 +53,11 @@ def worker_name(job_id: str, rank: int) -> str:
 
 
 class _Failure(Exception):
-    """A worker group failure that may be retried from the latest checkpoint."""
+    """An attempt failed; ``failure`` says how (``policy``): the restart policy decides what next."""
+
+    def __init__(self, reason: str, kind: FailureKind = FailureKind.WORKER):
+        super().__init__(reason)
+        self.failure = AttemptFailure(kind, reason)
 
 
 def cluster_fit(workers: int, cpus: float, gpus: int) -> str | None:
@@ -223,6 +229,7 @@ class Coordinator:
             if not announced:
                 announced = True
                 self._set_state(JobState.QUEUED, f"waiting for resources: {r.workers} x {bundle}")
+        policy = RestartPolicy(spec.failure.max_restarts)
         attempt = 0
         while True:
             self._set_state(JobState.STARTING if attempt == 0 else JobState.RESTARTING, f"attempt {attempt + 1}")
@@ -237,14 +244,14 @@ class Coordinator:
                     self._teardown()
                     self._set_state(JobState.CANCELLED, f"cancelled ({e})")
                     return self.state
-                if len(self._restarts) >= spec.failure.max_restarts:
+                if not policy.should_restart(e.failure, len(self._restarts)):
                     self._teardown()
-                    self._set_state(JobState.FAILED, str(e))
+                    self._set_state(JobState.FAILED, policy.failed_message(e.failure))
                     return self.state
                 self._restarts.append({"time": time.time(), "reason": str(e)})
                 self._gauges["restarts"].set(len(self._restarts), tags={"job": self.job_id, "rank": "0"})
                 self._set_state(JobState.RESTARTING, f"restart {len(self._restarts)}/{spec.failure.max_restarts}: {e}")
-                time.sleep(min(30.0, 1.0 * 2 ** (len(self._restarts) - 1)))  # back-off
+                time.sleep(policy.backoff_s(len(self._restarts)))
                 attempt += 1
 
     def _wait_ready(self, pg) -> bool:
@@ -283,13 +290,12 @@ class Coordinator:
                 raise _Failure(f"a worker died: {_short(e)}") from None
             except ray.exceptions.GetTimeoutError:
                 raise _Failure("workers stopped answering for 60 s") from None
-            errors = [p for p in polls if p["error"]]
-            if errors:
-                last = errors[0]["error"].strip().splitlines()[-1]
-                raise _Failure(f"rank {errors[0]['rank']} raised: {last}")
-            if all(p["done"] for p in polls):
+            failure = failure_from_polls(polls)
+            if failure is not None:
+                raise _Failure(failure.reason, failure.kind)
+            if all(p.done for p in polls):
                 if self._stop_requested:
-                    return (JobState.CANCELLED, f"stopped gracefully at step {max(p['step'] for p in polls)}")
+                    return (JobState.CANCELLED, f"stopped gracefully at step {max(p.step for p in polls)}")
                 return (JobState.SUCCEEDED, f"finished {spec.training.steps} steps")
             if self._stop_requested:
                 if stop_sent_at is None:
@@ -300,11 +306,11 @@ class Coordinator:
                     self._kill_workers()
                     return (JobState.CANCELLED, f"killed after the {self._stop_deadline_s:g} s stop deadline")
                 continue
-            step = min(p["step"] for p in polls)
+            step = min(p.step for p in polls)
             first_step = step if first_step is None else first_step
             starting = step <= first_step  # the first step of an attempt also builds, loads and warms up
             limit = spec.failure.startup_timeout_s if starting else spec.failure.step_timeout_s
-            stalled = time.time() - min(p["last_progress"] for p in polls)
+            stalled = time.time() - min(p.last_progress for p in polls)
             if stalled > limit:
                 self._dump_stacks()
                 what = f"before the first step of attempt (startup_timeout_s {limit:g})" if starting else f"after step {step}"

@@ -17,6 +17,8 @@ import ray
 
 from hpservice.launch import free_port
 
+from .policy import WorkerPoll
+
 
 @ray.remote
 class TrainWorker:
@@ -26,6 +28,7 @@ class TrainWorker:
         self._thread: threading.Thread | None = None
         self._trainer = None
         self._error: str | None = None
+        self._config_error = False
         self._done = False
         self._step = 0
         self._last_progress = time.time()
@@ -53,7 +56,8 @@ class TrainWorker:
         self._thread.start()
 
     def _run(self, spec) -> None:
-        from hpservice.train import Trainer
+        from hpservice.spec import SpecError
+        from hpservice.train import Trainer, TrainingError
 
         try:
             self._trainer = Trainer(
@@ -65,8 +69,10 @@ class TrainWorker:
             if self._stop.is_set():
                 self._trainer.request_stop()
             self._trainer.train()
-        except BaseException:
+        except BaseException as e:
             self._error = traceback.format_exc()
+            # Refused while being built from the spec: the same spec would fail the same way.
+            self._config_error = self._trainer is None and isinstance(e, TrainingError | SpecError)
             self._log(self._error)
         finally:
             self._done = True
@@ -80,17 +86,11 @@ class TrainWorker:
         self._coordinator.add_log.remote(self.rank, step, line)
 
     # ---- observed by the coordinator ---------------------------------------------------------
-    def poll(self) -> dict:
+    def poll(self) -> WorkerPoll:
         step = self._trainer.step if self._trainer is not None else 0
         if step != self._step:
             self._step, self._last_progress = step, time.time()
-        return {
-            "rank": self.rank,
-            "step": step,
-            "done": self._done,
-            "error": self._error,
-            "last_progress": self._last_progress,
-        }
+        return WorkerPoll(self.rank, step, self._done, self._last_progress, self._error, self._config_error)
 
     def request_stop(self) -> None:
         self._stop.set()

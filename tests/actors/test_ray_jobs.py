@@ -200,3 +200,34 @@ def test_cancel_is_graceful_and_leaves_nothing(cluster, tmp_path):
     _finish(handle)
     with pytest.raises(ValueError):
         JobHandle.attach(handle.job_id)
+
+
+def test_a_config_error_fails_at_once_naming_every_rank(cluster, tmp_path):
+    """A spec the trainer refuses while building (a freeze pattern that matches nothing) fails the
+    same way every time: no restart is spent on it, and the message groups the ranks by error."""
+    spec = _spec(tmp_path, "config", training={"freeze": ["layers.9"]}, failure={"max_restarts": 3})
+    handle = start_job(spec)
+    status = handle.wait(timeout=180)
+    assert status["state"] == "FAILED" and status["restarts"] == 0, status
+    assert status["message"].startswith("the job's spec cannot run (not retried): ranks 0, 1 raised: "), status
+    assert "training.freeze: 'layers.9' matches no parameter" in status["message"]
+    _finish(handle)
+
+
+def test_failures_are_grouped_by_message_and_classified():
+    from actors.policy import FailureKind, RestartPolicy, WorkerPoll, failure_from_polls
+
+    polls = [
+        WorkerPoll(0, 3, True, 0.0, "Traceback ...\nRuntimeError: boom"),
+        WorkerPoll(1, 3, False, 0.0),
+        WorkerPoll(2, 3, True, 0.0, "Traceback ...\nRuntimeError: boom"),
+        WorkerPoll(3, 3, True, 0.0, "Traceback ...\nOSError: disk full"),
+    ]
+    failure = failure_from_polls(polls)
+    assert failure.reason == "ranks 0, 2 raised: RuntimeError: boom; rank 3 raised: OSError: disk full"
+    assert failure.kind is FailureKind.WORKER and failure_from_polls(polls[1:2]) is None
+    policy = RestartPolicy(max_restarts=2)
+    assert policy.should_restart(failure, 1) and not policy.should_restart(failure, 2)
+    assert [policy.backoff_s(n) for n in (1, 2, 3, 9)] == [1.0, 2.0, 4.0, 30.0]
+    config = failure_from_polls([WorkerPoll(0, 0, True, 0.0, "TrainingError: bad", config_error=True)])
+    assert config.kind is FailureKind.CONFIG and not policy.should_restart(config, 0)
