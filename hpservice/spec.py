@@ -216,17 +216,17 @@ class TrainingSpec(_Section):
 
 
 class OptimizerSpec(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(3e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
+    name: Literal["adamw", "sgd"] = Field("adamw", description="torch.optim.AdamW or torch.optim.SGD")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (after warm-up)")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) or L2 penalty (SGD)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="adamw: the moments' decay rates")
+    eps: float = Field(1e-8, gt=0, description="adamw: added to the denominator")
     momentum: float = Field(0.0, ge=0, description="sgd only")
 
 
 class LRSchedulerSpec(_Section):
     warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0")
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="shape of the decay after warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of optimizer.lr")
 
 
@@ -241,9 +241,13 @@ class ParallelismSpec(_Section):
         description="with tp > 1: shard the residual stream, norms and their activations on the sequence dim "
         "(Megatron/torchtitan sequence parallelism)",
     )
-    reshard_after_forward: bool = True
-    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
-    cpu_offload: bool = False
+    reshard_after_forward: bool = Field(
+        True, description="free each block's gathered parameters after its forward (the last block keeps them)"
+    )
+    mixed_precision: Literal["none", "bf16", "fp16"] = Field(
+        "none", description="compute dtype of parameters in forward/backward (gradients reduce in fp32)"
+    )
+    cpu_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in CPU memory")
 
     @field_validator("dp_shard")
     @classmethod
@@ -278,7 +282,7 @@ class ResourcesSpec(_Section):
     use_gpu: Literal["auto"] | bool = Field(
         "auto", description="a GPU per worker: true, false, or auto (when the cluster has one for every worker)"
     )
-    cpus_per_worker: float = Field(1.0, gt=0)
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs each worker reserves (fractions share cores)")
 
     def gpus_per_worker(self, cluster_gpus: float) -> int:
         """The one decision of "does this job use GPUs": 1 or 0 per worker, given the GPUs the
@@ -291,7 +295,7 @@ class ResourcesSpec(_Section):
 
 class CheckpointSpec(_Section):
     interval: int = Field(0, ge=0, description="save every N steps and at the end; 0 saves nothing")
-    keep: int = Field(3, ge=1)
+    keep: int = Field(3, ge=1, description="committed checkpoints kept, newest first (older ones are deleted)")
     dir: str | None = Field(
         None,
         max_length=_MAX_PATH,
@@ -306,7 +310,9 @@ class CheckpointSpec(_Section):
 
 
 class FailureSpec(_Section):
-    max_restarts: int = Field(0, ge=0)
+    max_restarts: int = Field(
+        0, ge=0, description="restarts from the latest checkpoint after a worker failure (config errors never restart)"
+    )
     step_timeout_s: float = Field(600.0, gt=0, description="a step making no progress this long is a hang")
     startup_timeout_s: float = Field(
         1800.0,
@@ -337,8 +343,8 @@ class ProfileSpec(_Section):
 
 
 class MetricsSpec(_Section):
-    log_every: int = Field(1, ge=1)
-    tensorboard: bool = False
+    log_every: int = Field(1, ge=1, description="a progress line every N steps (metrics are kept for every step)")
+    tensorboard: bool = Field(False, description="also write TensorBoard event files under the run's directory")
     mlflow: MLflowSpec | None = Field(None, description="also log the run to MLflow (the mlflow package)")
     wandb: WandbSpec | None = Field(None, description="also log the run to Weights & Biases (the wandb package)")
     profile: ProfileSpec | None = Field(
@@ -595,3 +601,48 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
             raise SpecError(f"{path}: expected a mapping of sections")
         apply_overrides(data, overrides)
     return parse_job(data, source=str(path))
+
+
+def fields_reference() -> str:
+    """Markdown: every job-spec field with its type, default and meaning (``docs/jobspec.md`` is
+    this text; ``hpservice schema --markdown`` prints it)."""
+    import typing
+
+    def type_name(annotation) -> str:
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if origin is Literal:
+            return " \\| ".join(f"`{a}`" for a in args)
+        if origin is dict:
+            return "mapping"
+        if origin in (list, tuple):
+            return f"list of {type_name(args[0])}" if origin is list else "[" + ", ".join(map(type_name, args)) + "]"
+        if args:  # a union
+            return " \\| ".join(type_name(a) for a in args)
+        return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+    lines = [
+        "# Job spec reference",
+        "",
+        "Generated from `hpservice.spec.JobSpec` (`hpservice schema --markdown`); the JSON Schema is",
+        "`hpservice schema`. Unknown fields are errors; values are strictly typed.",
+    ]
+
+    def section(model: type[BaseModel], prefix: str) -> None:
+        rows, nested = [], []
+        for name, f in model.model_fields.items():
+            key = f.alias or name
+            sub = [a for a in typing.get_args(f.annotation) or (f.annotation,) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if sub:
+                nested.append((sub[0], f"{prefix}{key}."))
+                continue
+            value = f.default_factory() if f.default_factory is not None else f.default
+            default = "required" if f.is_required() else f"`{json.dumps(value)}`"
+            description = (f.description or "").replace("|", "\\|")
+            rows.append(f"| `{prefix}{key}` | {type_name(f.annotation)} | {default} | {description} |")
+        if rows:
+            lines.extend(["", f"## {prefix.rstrip('.') or 'top level'}", "", "| field | type | default | meaning |", "|---|---|---|---|", *rows])
+        for model_, prefix_ in nested:
+            section(model_, prefix_)
+
+    section(JobSpec, "")
+    return "\n".join(lines) + "\n"

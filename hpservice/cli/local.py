@@ -19,7 +19,8 @@ def add_parsers(sub) -> None:
     validate = sub.add_parser("validate", help="check a job file; print its errors with field paths")
     validate.add_argument("job")
     validate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
-    sub.add_parser("schema", help="print the job spec's JSON Schema (for editor completion)")
+    schema = sub.add_parser("schema", help="print the job spec's JSON Schema (for editor completion)")
+    schema.add_argument("--markdown", action="store_true", help="a reference of every field instead (docs/jobspec.md)")
     export = sub.add_parser(
         "export",
         help="write a sharded checkpoint's full model weights: one .safetensors file, or a Hugging Face directory",
@@ -60,7 +61,7 @@ def add_parsers(sub) -> None:
     sub.choices["version"].set_defaults(run=_version)
     run.set_defaults(run=_run)
     validate.set_defaults(run=_validate)
-    sub.choices["schema"].set_defaults(run=_schema)
+    schema.set_defaults(run=_schema)
     export.set_defaults(run=_export)
     prep.set_defaults(run=_prepare_data)
     gen.set_defaults(run=_generate)
@@ -113,9 +114,9 @@ def _validate(args) -> int:
 def _schema(args) -> int:
     import json
 
-    from hpservice.spec import JobSpec
+    from hpservice.spec import JobSpec, fields_reference
 
-    print(json.dumps(JobSpec.model_json_schema(by_alias=True), indent=2))
+    print(fields_reference() if args.markdown else json.dumps(JobSpec.model_json_schema(by_alias=True), indent=2), end="")
     return ExitCode.OK
 
 

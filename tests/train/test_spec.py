@@ -140,3 +140,30 @@ def test_the_gpu_question_is_decided_once_and_handed_down():
     assert first.resources.use_gpu is True and first.checkpoint.resume_from is None
     assert restart.resources.use_gpu is False and restart.checkpoint.resume_from == "latest"
     assert spec.resources.use_gpu == "auto"  # the stored spec stays as submitted
+
+
+def test_every_field_is_described_and_docs_jobspec_is_current(capsys):
+    """docs/jobspec.md is ``hpservice schema --markdown`` (regenerate it when a field changes), and
+    no field or subcommand lacks a description."""
+    from pathlib import Path
+
+    from hpservice.spec import fields_reference
+
+    rows = [line for line in fields_reference().splitlines() if line.startswith("| `")]
+    assert rows and not [r for r in rows if r.rstrip().endswith("|  |")], "fields without a description"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "jobspec.md"
+    assert doc.read_text() == fields_reference(), "docs/jobspec.md is stale: hpservice schema --markdown > docs/jobspec.md"
+    assert main(["schema", "--markdown"]) == 0 and capsys.readouterr().out == fields_reference()
+    import argparse
+
+    from hpservice.cli import local, server, service
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    for group in (local, server, service):
+        group.add_parsers(sub)
+    undescribed = [name for name, p in sub.choices.items() if not (p.description or "") and name not in _helps(sub)]
+    assert not undescribed, undescribed
+
+
+def _helps(sub) -> set[str]:
+    return {a.dest for a in sub._choices_actions if a.help}
