@@ -111,6 +111,27 @@
     $("auth").hidden = true;
   }
 
+  async function apiSend(method, path) {
+    const headers = { Accept: "application/json" };
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const res = await fetch(path, { method, headers, cache: "no-store" });
+    if (res.status === 401) {
+      showAuth(token ? "The saved token was rejected. Enter another one." : "This server needs an API token.");
+      throw new AuthError("unauthorized");
+    }
+    if (!res.ok) {
+      let message = `${res.status} ${res.statusText}`;
+      try {
+        const body = await res.json();
+        if (body && body.error && body.error.message) message = body.error.message;
+      } catch {
+        // not JSON
+      }
+      throw new Error(message);
+    }
+    return res.status === 204 ? null : res.json();
+  }
+
   async function api(path) {
     const headers = { Accept: "application/json" };
     if (token) headers.Authorization = `Bearer ${token}`;
@@ -189,6 +210,7 @@
       this.ys = [];
       this.hover = null;
       this.geom = null;
+      this.emptyText = "Waiting for metrics…";
       if (window.ResizeObserver) new ResizeObserver(() => this.draw()).observe(canvas);
       canvas.addEventListener("pointermove", (e) => this.onPointer(e));
       canvas.addEventListener("pointerleave", () => {
@@ -248,7 +270,7 @@
         this.geom = null;
         ctx.fillStyle = text;
         ctx.textAlign = "center";
-        ctx.fillText("Waiting for metrics…", W / 2, H / 2);
+        ctx.fillText(this.emptyText, W / 2, H / 2);
         if (this.readout) this.readout.textContent = "";
         return;
       }
@@ -282,7 +304,7 @@
       const x0 = Math.ceil(labelW) + 12;
       const x1 = W - 12;
       const y0 = 8;
-      const y1 = H - 22;
+      const y1 = H - 36; // tick labels, then the axis title below them
       const sx = (x) => x0 + ((x - xmin) / (xmax - xmin)) * (x1 - x0);
       const sy = (y) => y1 - ((y - ymin) / (ymax - ymin)) * (y1 - y0);
       this.geom = { x0, x1, xmin, xmax };
@@ -316,6 +338,7 @@
       ctx.moveTo(x0, y1 + 0.5);
       ctx.lineTo(x1, y1 + 0.5);
       ctx.stroke();
+      ctx.fillText("step", (x0 + x1) / 2, y1 + 20); // x axis title; the y axis is the figure's caption
 
       // the series; many points per pixel column are drawn as that column's min/max
       ctx.save();
@@ -588,6 +611,12 @@
     const message = useLive && live.message !== undefined ? live.message : job.message;
     setBadge($("job-state"), state);
     $("job-message").textContent = message || "";
+    const ended = TERMINAL.has(state);
+    for (const chart of Object.values(charts)) {
+      chart.emptyText = ended ? "No metrics: the job ended before reporting any." : "Waiting for metrics…";
+    }
+    $("job-cancel").hidden = ended || !state;
+    $("job-delete").hidden = !ended;
     const tr = rows.get(cur.id);
     if (tr) setBadge(tr.cells[3].firstChild, state);
 
@@ -941,6 +970,29 @@
   }, REFRESH_MS);
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden) refreshJobs();
+  });
+
+  $("job-cancel").addEventListener("click", async () => {
+    if (!cur) return;
+    try {
+      await apiSend("POST", `/v1/jobs/${encodeURIComponent(cur.id)}/cancel`);
+      setConn(`Cancel requested for ${cur.id}: it finishes its step and checkpoints.`);
+      loadJob();
+    } catch (err) {
+      if (!(err instanceof AuthError)) setConn(`Cannot cancel: ${err.message}`, true);
+    }
+  });
+  $("job-delete").addEventListener("click", async () => {
+    if (!cur || !window.confirm(`Delete job ${cur.id} and its stored metrics and events?`)) return;
+    const id = cur.id;
+    try {
+      await apiSend("DELETE", `/v1/jobs/${encodeURIComponent(id)}`);
+      setConn(`Deleted ${id}.`);
+      location.hash = "";
+      refreshJobs();
+    } catch (err) {
+      if (!(err instanceof AuthError)) setConn(`Cannot delete: ${err.message}`, true);
+    }
   });
 
   async function loadJobStates() {

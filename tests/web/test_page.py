@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 STATIC = Path(__file__).resolve().parents[2] / "api" / "static"
@@ -60,6 +60,8 @@ class FakeJob:
         self.started = False
         self.stream_queries: list[dict[str, str]] = []
         self.downloads: list[tuple[str, str | None]] = []  # (artifact, Authorization header)
+        self.actions: list[tuple[str, str]] = []  # cancel / delete requests from the page
+        self.deleted = False
         self._task: asyncio.Task | None = None
         self.job = {
             "id": JOB_ID,
@@ -177,7 +179,7 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/jobs")
     def list_jobs(request: Request):
-        return denied(request) or {"items": [fake.job], "next_cursor": None}
+        return denied(request) or {"items": [] if fake.deleted else [fake.job], "next_cursor": None}
 
     @app.get("/v1/jobs/{job_id}")
     def get_job(job_id: str, request: Request):
@@ -197,6 +199,19 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
             return refused
         fake.downloads.append((name, request.headers.get("authorization")))
         return JSONResponse({"traceEvents": []})
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: str, request: Request):
+        fake.actions.append(("cancel", job_id))
+        return denied(request) or fake.job
+
+    @app.delete("/v1/jobs/{job_id}")
+    def delete(job_id: str, request: Request):
+        if (refused := denied(request)) is not None:
+            return refused
+        fake.actions.append(("delete", job_id))
+        fake.deleted = True
+        return Response(status_code=204)
 
     @app.get("/v1/jobs/{job_id}/events")
     async def events(job_id: str, request: Request):
@@ -339,7 +354,20 @@ def test_page_shows_a_live_job(browser):
         wait(browser, lambda d: fake.downloads)
         assert fake.downloads == [(ARTIFACT, None)]
 
+        # the jobs table fits a 1400-px window without sideways scrolling
+        browser.set_window_size(1400, 1000)
+        wrap_fits = "const w = document.querySelector('.jobs-panel .table-wrap'); return w.scrollWidth <= w.clientWidth;"
+        assert browser.execute_script(wrap_fits)
         browser.save_screenshot(SCREENSHOT)
+
+        # an ended job can be deleted from the page (not cancelled); the list then says how to submit
+        assert not css(browser, '[data-testid="job-delete"]').get_attribute("hidden")
+        assert css(browser, '[data-testid="job-cancel"]').get_attribute("hidden") is not None
+        css(browser, '[data-testid="job-delete"]').click()
+        wait(browser, lambda d: d.switch_to.alert).accept()
+        wait(browser, lambda d: fake.actions == [("delete", JOB_ID)])
+        empty = wait(browser, lambda d: css(d, '[data-testid="jobs-empty"]').is_displayed() and css(d, '[data-testid="jobs-empty"]'))
+        assert "hpservice submit examples/tiny-cpu.yaml" in empty.text
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
 
