@@ -77,6 +77,14 @@ class Supervisor:
             self._thread.join(timeout=10)
 
     # ---- requests from routes --------------------------------------------------------------
+    def infeasible(self, spec) -> str | None:
+        """Why ``spec`` can never fit the connected cluster (and how to make it fit), or None; None
+        too when no cluster is connected yet (the launch checks again)."""
+        if not ray.is_initialized():
+            return None
+        r = spec.resources
+        return cluster_fit(r.workers, r.cpus_per_worker, r.gpus_per_worker(ray.cluster_resources().get("GPU", 0)))
+
     def cancel(self, job: dict) -> None:
         """Cancel ``job``: one transition, whatever the launch is doing (see the module doc)."""
         with self._lock:

@@ -104,6 +104,7 @@ async def submit(
     principal: Principal = Depends(current_principal),
     settings: Settings = Depends(get_settings),
     store: Store = Depends(get_store),
+    supervisor: Supervisor = Depends(get_supervisor),
     idempotency_key: str | None = Header(None, max_length=200),
 ):
     raw = await _read_body(request)
@@ -116,6 +117,9 @@ async def submit(
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]
         raise APIError(422, str(e).splitlines()[0], details) from None
+    why = await asyncio.to_thread(supervisor.infeasible, spec)
+    if why is not None:  # it would fail at launch: say so now, and how to make it fit
+        raise APIError(422, "job spec: cannot fit the cluster", [{"path": "resources", "message": why}])
     job, created = await asyncio.to_thread(
         store.create_job,
         job_id,

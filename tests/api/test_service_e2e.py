@@ -224,6 +224,15 @@ def test_cancel_and_auth(service, tmp_path):
     assert "/events?token=<redacted>" in logged and "token=t-alice" not in logged
 
 
+def test_a_job_that_can_never_fit_is_refused_at_submit_with_the_fix(service, tmp_path):
+    with _client(service) as c:
+        r = c.post("/v1/jobs", json=_spec(tmp_path, "huge", steps=3, workers=64))
+    assert r.status_code == 422, r.text
+    (detail,) = r.json()["error"]["details"]
+    assert detail["path"] == "resources" and "job needs 64 workers x (1 CPU)" in detail["message"]
+    assert "to fit it:" in detail["message"]
+
+
 def test_fifty_concurrent_submissions_are_all_stored(service, tmp_path):
     results, errors = [], []
 
