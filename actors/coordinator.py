@@ -118,6 +118,9 @@ class Coordinator:
     def _set_state(self, state: str, message: str = "") -> None:
         state = JobState(state)  # one of the vocabulary's, or ValueError
         with self._lock:
+            current = getattr(self, "state", None)
+            if current is not None and not current.can_become(state):
+                raise RuntimeError(f"job {self.job_id}: no transition {current} -> {state} ({message})")
             self.state = state
             self._history.append({"state": state, "time": time.time(), "message": message})
 

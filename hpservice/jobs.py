@@ -25,9 +25,31 @@ class JobState(enum.StrEnum):
     def is_terminal(self) -> bool:
         return self in TERMINAL_STATES
 
+    def can_become(self, other: JobState) -> bool:
+        """Whether a job in this state may move to ``other`` (``TRANSITIONS``); staying in a
+        live state with a new message is a move too."""
+        return JobState(other) in TRANSITIONS[self]
+
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
+
+_S = JobState
+# Every move a job can make. A live job may always fail or be cancelled (its coordinator or its
+# cluster can be lost at any moment), and be requeued (QUEUED) by the server when its cluster went
+# away; an ended job never moves again.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    _S.QUEUED: frozenset({_S.QUEUED, _S.STARTING}),
+    _S.STARTING: frozenset({_S.STARTING, _S.RUNNING, _S.RESTARTING}),
+    _S.RUNNING: frozenset({_S.RUNNING, _S.RESTARTING, _S.CANCELLING, _S.SUCCEEDED}),
+    _S.RESTARTING: frozenset({_S.RESTARTING, _S.RUNNING}),
+    _S.CANCELLING: frozenset({_S.CANCELLING}),
+    _S.SUCCEEDED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.CANCELLED: frozenset(),
+}
+for _state in ACTIVE_STATES:
+    TRANSITIONS[_state] |= {_S.QUEUED, _S.FAILED, _S.CANCELLED}
 
 
 class ExitCode(enum.IntEnum):

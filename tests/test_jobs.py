@@ -36,3 +36,15 @@ def test_summary_reports_the_steady_rate_not_the_last_step():
     text = out.getvalue()
     assert "SUCCEEDED: finished 10 steps" in text and "final loss 4.0000" in text
     assert "889 tok/s steady (mean over the last 9 steps)" in text  # step 1 left out; not the last "1 tok/s"
+
+
+def test_transitions_are_typed_and_an_ended_job_never_moves():
+    from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES
+
+    for ended in TERMINAL_STATES:
+        assert not any(ended.can_become(s) for s in JobState)
+    for live in ACTIVE_STATES:  # the cluster or the coordinator can be lost at any moment
+        assert all(live.can_become(s) for s in (JobState.FAILED, JobState.CANCELLED, JobState.QUEUED))
+    assert JobState.QUEUED.can_become("STARTING") and not JobState.QUEUED.can_become("SUCCEEDED")
+    assert JobState.RUNNING.can_become("SUCCEEDED") and not JobState.RESTARTING.can_become("SUCCEEDED")
+    assert not JobState.CANCELLING.can_become("RUNNING")
