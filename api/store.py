@@ -241,6 +241,8 @@ class Store:
             if row is None:
                 return
             old_state, old_restarts = row.state, row.restarts
+            if JobState(old_state).is_terminal and status["state"] != old_state:
+                return  # an ended job never moves again (a late status from a coordinator it outlived)
             old_checkpoints = {c["step"] for c in json.loads(row.checkpoints_json)}
             history = json.loads(row.history_json)
             seen = {(h["state"], h["time"]) for h in history}

@@ -194,3 +194,14 @@ def test_submit_refuses_a_layout_that_cannot_fill_the_workers(tmp_path):
     assert r.status_code == 422
     (detail,) = r.json()["error"]["details"]
     assert detail["path"] == "parallelism" and "not divisible" in detail["message"]
+
+
+def test_an_ended_job_never_moves_again(tmp_path):
+    """A late status (a coordinator the server already gave up on) cannot bring a job back."""
+    with _client(tmp_path) as c:
+        job = c.post("/v1/jobs", json=SPEC).json()
+        store = c.app.state.store
+        store.set_state(job["id"], "FAILED", "coordinator lost")
+        store.update_status(job["id"], {"state": "RUNNING", "message": "2 workers", "step": 5})
+        after = c.get(f"/v1/jobs/{job['id']}").json()
+    assert after["state"] == "FAILED" and after["message"] == "coordinator lost"
