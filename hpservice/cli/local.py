@@ -81,7 +81,7 @@ def _demo(args) -> int:
 
 
 def _run(args) -> int:
-    spec = _load_launchable(args)
+    spec = load_launchable(args)
     if spec is None:
         return ExitCode.USAGE
     if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
@@ -100,7 +100,7 @@ def _run(args) -> int:
 
 
 def _validate(args) -> int:
-    spec = _load_launchable(args)
+    spec = load_launchable(args)
     if spec is None:
         return ExitCode.USAGE
     print(
@@ -137,7 +137,7 @@ def _export(args) -> int:
     return ExitCode.OK
 
 
-def _load_launchable(args, *, local: bool = True):
+def load_launchable(args, *, local: bool = True):
     """The job file with ``--set`` overrides, checked as far as it can be before anything starts
     (the spec; the parallelism divides ``resources.workers``; for a job run here, the model name
     resolves on this machine); None after printing why."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpservice.jobs import EXIT_CODES_HELP, EXIT_FOR_STATE, TERMINAL_STATES, ExitCode, JobState, print_summary
 
-from .local import _load_launchable
+from .local import load_launchable
 
 _POLL_INTERVAL_S = 1.0  # watch / logs -f polling when the event stream is unavailable
 
@@ -129,7 +129,7 @@ def _text(value):
 
 
 def _cmd_submit(args) -> int:
-    spec = _load_launchable(args, local=False)  # the server resolves model names of its own
+    spec = load_launchable(args, local=False)  # the server resolves model names of its own
     if spec is None:
         return ExitCode.USAGE
     with _client(args) as client:
