@@ -58,6 +58,7 @@ class JobRow(Base):
     checkpoints_json: Mapped[str] = mapped_column(Text, default="[]")
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)  # of the spec as submitted
+    submitted_json: Mapped[str | None] = mapped_column(Text, nullable=True)  # the spec before admission (resubmit)
     started: Mapped[int] = mapped_column(Integer, default=0)  # the coordinator was launched
     log_time: Mapped[float] = mapped_column(Float, default=0.0)  # newest log line stored (stores before log_seq)
     log_seq: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the coordinator's cursor: last line stored
@@ -153,6 +154,7 @@ class Store:
         total_steps: int,
         idempotency_key: str | None,
         request_hash: str | None = None,
+        submitted: dict | None = None,
     ):
         """Insert a QUEUED job; returns (row dict, created). An idempotency key seen before for the
         same owner returns the existing job instead, or (None, False) when that job was submitted
@@ -172,11 +174,19 @@ class Store:
                 id=job_id, name=name, owner=owner, state=JobState.QUEUED, message="submitted", spec_json=json.dumps(spec),
                 created_at=now, updated_at=now, step=0, total_steps=total_steps, restarts=0,
                 history_json=json.dumps(history), idempotency_key=idempotency_key, request_hash=request_hash,
+                submitted_json=json.dumps(submitted) if submitted is not None else None,
             )  # fmt: skip
             s.add(row)
             self._add_event(s, job_id, "state", {"state": JobState.QUEUED, "message": "submitted", "restarts": 0, "time": now})
             s.commit()
             return row.to_dict(), True
+
+    def submitted_spec(self, job_id: str) -> dict | None:
+        """The job's spec as its owner submitted it, before admission resolved its paths (None for
+        jobs stored before this was kept)."""
+        with self.session() as s:
+            row = s.get(JobRow, job_id)
+            return json.loads(row.submitted_json) if row is not None and row.submitted_json else None
 
     def get_job(self, job_id: str) -> dict | None:
         with self.session() as s:

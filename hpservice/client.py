@@ -207,6 +207,10 @@ class Client:
         """Ask for a graceful cancel (a no-op on ended jobs); returns the ``JobOut``."""
         return self._request("POST", self._job_path(job_id, "/cancel"))
 
+    def resubmit(self, job_id: str) -> dict:
+        """A new job from this job's submitted spec (admitted again); returns its ``JobOut``."""
+        return self._request("POST", self._job_path(job_id, "/resubmit"))
+
     def delete(self, job_id: str) -> None:
         """Delete an ended job (409 ``ClientError`` if it has not ended)."""
         self._request("DELETE", self._job_path(job_id))

@@ -223,6 +223,14 @@ def make_app(svc: FakeService) -> FastAPI:
         lines = [ln for ln in after if rank is None or ln["rank"] == rank]
         return {"lines": lines[-tail:] if tail else lines, "next_since": after[-1]["seq"] if after else since}
 
+    @app.post("/v1/jobs/{job_id}/resubmit")
+    def resubmit(job_id: str):
+        if job_id not in svc.jobs:
+            return missing(job_id)
+        new = {**svc.jobs[job_id], "id": f"{job_id}-again", "state": "QUEUED", "step": 0}
+        svc.jobs[new["id"]] = new
+        return JSONResponse(new, status_code=201)
+
     @app.get("/v1/jobs/{job_id}/artifacts")
     def artifacts(job_id: str):
         if job_id not in svc.jobs:
@@ -573,6 +581,14 @@ def test_cli_cancel_checkpoints_delete(fake, capsys):
     assert "409" in capsys.readouterr().err
     assert cli.main(["delete", "done-1", *opts]) == 0
     assert "done-1" not in svc.jobs
+
+
+def test_cli_resubmit(fake, capsys):
+    svc, _, opts = fake
+    assert cli.main(["resubmit", "done-1", *opts]) == 0
+    assert capsys.readouterr().out.strip() == "submitted job done-1-again (QUEUED) from done-1's spec"
+    assert "done-1-again" in svc.jobs
+    assert cli.main(["resubmit", "nope", *opts]) == 3
 
 
 def test_cli_artifacts_list_and_download(fake, tmp_path, capsys):

@@ -111,7 +111,14 @@ async def submit(
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     data = await asyncio.to_thread(_decode, raw, ctype)
     spec = await asyncio.to_thread(_validate, data)
+    job, created = await _create(spec, principal, settings, store, supervisor, idempotency_key, _request_hash(data))
+    return JSONResponse(_out(settings, job), status_code=201 if created else 200)
+
+
+async def _create(spec, principal, settings, store, supervisor, idempotency_key=None, request_hash=None):
+    """Admit a validated spec as a new job of ``principal`` and store it: (job, created)."""
     job_id = new_run_id(spec.name)
+    submitted = spec.model_dump(mode="json", by_alias=True)
     try:
         spec = await asyncio.to_thread(admit, spec, principal, job_id, settings)  # it looks at files
     except SpecError as e:
@@ -128,13 +135,32 @@ async def submit(
         spec.model_dump(mode="json", by_alias=True),
         spec.training.steps,
         idempotency_key,
-        _request_hash(data),
+        request_hash,
+        submitted,
     )
     if job is None:
         raise APIError(
             409, f"Idempotency-Key {idempotency_key!r} was used before with a different job spec; use a new key"
         )
-    return JSONResponse(_out(settings, job), status_code=201 if created else 200)
+    return job, created
+
+
+@router.post("/{job_id}/resubmit", status_code=201, response_model=JobOut)
+async def resubmit(
+    job: dict = Depends(visible_job),
+    principal: Principal = Depends(current_principal),
+    settings: Settings = Depends(get_settings),
+    store: Store = Depends(get_store),
+    supervisor: Supervisor = Depends(get_supervisor),
+):
+    """A new job from this job's spec as it was submitted (validated and admitted again, for the
+    caller: the new job writes into its own directory)."""
+    submitted = await asyncio.to_thread(store.submitted_spec, job["id"])
+    if submitted is None:
+        raise APIError(409, f"job {job['id']} was stored before submitted specs were kept; submit its file again")
+    spec = await asyncio.to_thread(_validate, submitted)
+    new, _ = await _create(spec, principal, settings, store, supervisor)
+    return JSONResponse(_out(settings, new), status_code=201)
 
 
 def _cursor(cursor: str | None) -> tuple[float, str] | None:

@@ -617,6 +617,7 @@
     }
     $("job-cancel").hidden = ended || !state;
     $("job-delete").hidden = !ended;
+    $("job-resubmit").hidden = !ended;
     const tr = rows.get(cur.id);
     if (tr) setBadge(tr.cells[3].firstChild, state);
 
@@ -980,6 +981,17 @@
       loadJob();
     } catch (err) {
       if (!(err instanceof AuthError)) setConn(`Cannot cancel: ${err.message}`, true);
+    }
+  });
+  $("job-resubmit").addEventListener("click", async () => {
+    if (!cur) return;
+    try {
+      const job = await apiSend("POST", `/v1/jobs/${encodeURIComponent(cur.id)}/resubmit`);
+      setConn(`Submitted ${job.id} from ${cur.id}'s spec.`);
+      location.hash = `job=${encodeURIComponent(job.id)}`;
+      refreshJobs();
+    } catch (err) {
+      if (!(err instanceof AuthError)) setConn(`Cannot resubmit: ${err.message}`, true);
     }
   });
   $("job-delete").addEventListener("click", async () => {

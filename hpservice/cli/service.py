@@ -69,11 +69,14 @@ def add_parsers(sub) -> None:
     p.add_argument("id")
     p.add_argument("--download", action="append", default=[], metavar="NAME", help="download this artifact ('all': every one)")
     p.add_argument("-o", "--out", default=".", help="folder to download into (default: the current one)")
+    p = add("resubmit", "submit a new job from a job's spec as it was submitted")
+    p.add_argument("id")
     p = add("delete", "delete an ended job and its stored metrics and events")
     p.add_argument("id")
     handlers = {
         "submit": _cmd_submit, "list": _cmd_list, "status": _cmd_status, "watch": _cmd_watch, "logs": _cmd_logs,
         "cancel": _cmd_cancel, "checkpoints": _cmd_checkpoints, "artifacts": _cmd_artifacts, "delete": _cmd_delete,
+        "resubmit": _cmd_resubmit,
     }  # fmt: skip
     for name, handler in handlers.items():
         sub.choices[name].set_defaults(run=functools.partial(_guarded, handler))
@@ -229,6 +232,16 @@ def _cmd_cancel(args) -> int:
         _print_json(job)
     else:
         print(f"cancel requested for job {job.get('id', args.id)} ({job.get('state')})")
+    return ExitCode.OK
+
+
+def _cmd_resubmit(args) -> int:
+    with _client(args) as client:
+        job = client.resubmit(args.id)
+    if args.json:
+        _print_json(job)
+    else:
+        print(f"submitted job {job['id']} ({job['state']}) from {args.id}'s spec", flush=True)
     return ExitCode.OK
 
 

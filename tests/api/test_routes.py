@@ -205,3 +205,16 @@ def test_an_ended_job_never_moves_again(tmp_path):
         store.update_status(job["id"], {"state": "RUNNING", "message": "2 workers", "step": 5})
         after = c.get(f"/v1/jobs/{job['id']}").json()
     assert after["state"] == "FAILED" and after["message"] == "coordinator lost"
+
+
+def test_resubmit_makes_a_new_job_from_the_submitted_spec_in_its_own_directory(tmp_path):
+    with _client(tmp_path, TOKENS) as c:
+        first = c.post("/v1/jobs", json={**SPEC, "metrics": {"dir": "out"}}, headers=_auth("t-alice")).json()
+        again = c.post(f"/v1/jobs/{first['id']}/resubmit", headers=_auth("t-alice"))
+        assert again.status_code == 201, again.text
+        new = again.json()
+        assert new["id"] != first["id"] and new["name"] == first["name"] and new["state"] == "QUEUED"
+        assert new["spec"]["training"] == first["spec"]["training"]
+        # admitted again for the new job: its outputs are under its own directory, not the first's
+        assert new["id"] in new["spec"]["metrics"]["dir"] and first["id"] not in new["spec"]["metrics"]["dir"]
+        assert c.post(f"/v1/jobs/{first['id']}/resubmit", headers=_auth("t-bob")).status_code == 404

@@ -205,6 +205,13 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
         fake.actions.append(("cancel", job_id))
         return denied(request) or fake.job
 
+    @app.post("/v1/jobs/{job_id}/resubmit")
+    def resubmit(job_id: str, request: Request):
+        if (refused := denied(request)) is not None:
+            return refused
+        fake.actions.append(("resubmit", job_id))
+        return JSONResponse(fake.job, status_code=201)  # the fake "new" job is the same one
+
     @app.delete("/v1/jobs/{job_id}")
     def delete(job_id: str, request: Request):
         if (refused := denied(request)) is not None:
@@ -360,12 +367,15 @@ def test_page_shows_a_live_job(browser):
         assert browser.execute_script(wrap_fits)
         browser.save_screenshot(SCREENSHOT)
 
-        # an ended job can be deleted from the page (not cancelled); the list then says how to submit
+        # an ended job can be resubmitted and deleted from the page (not cancelled); the list then
+        # says how to submit
         assert not css(browser, '[data-testid="job-delete"]').get_attribute("hidden")
         assert css(browser, '[data-testid="job-cancel"]').get_attribute("hidden") is not None
+        css(browser, '[data-testid="job-resubmit"]').click()
+        wait(browser, lambda d: fake.actions == [("resubmit", JOB_ID)])
         css(browser, '[data-testid="job-delete"]').click()
         wait(browser, lambda d: d.switch_to.alert).accept()
-        wait(browser, lambda d: fake.actions == [("delete", JOB_ID)])
+        wait(browser, lambda d: fake.actions == [("resubmit", JOB_ID), ("delete", JOB_ID)])
         empty = wait(browser, lambda d: css(d, '[data-testid="jobs-empty"]').is_displayed() and css(d, '[data-testid="jobs-empty"]'))
         assert "hpservice submit examples/tiny-cpu.yaml" in empty.text
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
