@@ -127,33 +127,17 @@
       } catch {
         // not JSON
       }
-      throw new Error(message);
-    }
-    return res.status === 204 ? null : res.json();
-  }
-
-  async function api(path) {
-    const headers = { Accept: "application/json" };
-    if (token) headers.Authorization = `Bearer ${token}`;
-    const res = await fetch(path, { headers, cache: "no-store" });
-    if (res.status === 401) {
-      showAuth(token ? "The saved token was rejected. Enter another one." : "This server needs an API token.");
-      throw new AuthError("unauthorized");
-    }
-    if (!res.ok) {
-      let message = `${res.status} ${res.statusText}`;
-      try {
-        const body = await res.json();
-        if (body && body.error && body.error.message) message = body.error.message;
-      } catch {
-        // not JSON
-      }
       const err = new Error(message);
       err.status = res.status;
       throw err;
     }
     return res.status === 204 ? null : res.json();
   }
+
+  async function api(path) {
+    return apiSend("GET", path);
+  }
+
 
   function setConn(text, bad = false) {
     const node = $("conn");
