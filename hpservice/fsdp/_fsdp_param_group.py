@@ -12,9 +12,11 @@ Buffers (S = shard group size, C = sum of the parameters' padded per-rank shard 
 - ``rs_in`` (S*C, reduce dtype) and ``rs_out`` (C): reduce-scatter input and output.
 - ``grad_flat`` (C, original dtype, shard device): the sharded gradients are views into it.
 
-Each phase runs under a ``record_function`` label named as FSDP2's (``FSDP::all_gather``,
-``FSDP::all_gather_copy_out``, ``FSDP::reduce_scatter``, ...; with the module's name once the
-root has named its groups), so a profiler trace reads like one of torch's FSDP.
+Each phase runs under a ``record_function`` label with FSDP2's name (``FSDP::all_gather``,
+``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``, ``FSDP::post_backward_rs_wait``,
+``FSDP::post_backward_reshard``, ...; with the module's name once the root has named its
+groups), so a profiler trace reads like one of torch's FSDP; finer ranges (copy-in, the waits,
+the collectives themselves) are nested inside them.
 
 All are allocated once and reused every step (AUDIT 13). The unsharded parameters' storage is
 freed on reshard and regrown before the next use (``untyped_storage().resize_``), which keeps
@@ -209,11 +211,11 @@ class FSDPParamGroup:
         """Issue the all-gather (asynchronous); ``wait_for_unshard`` finishes it."""
         if self.state is not ShardState.SHARDED:
             return
-        with self._label("all_gather_copy_in"):
-            _regrow(self.flat_unsharded)
-            if self.ag_in is not self.flat_shard:
-                self.ag_in.copy_(self.flat_shard, non_blocking=True)
         with self._label("all_gather"):
+            with self._label("all_gather_copy_in"):
+                _regrow(self.flat_unsharded)
+                if self.ag_in is not self.flat_shard:
+                    self.ag_in.copy_(self.flat_shard, non_blocking=True)
             self._ag_work = all_gather_flat(self.ag_in, self.ag_out, self.shard_group)
         self.state = ShardState.UNSHARDING
 
@@ -221,15 +223,15 @@ class FSDPParamGroup:
         if self.state is ShardState.SHARDED:
             self.unshard()
         if self.state is ShardState.UNSHARDING:
-            if self._ag_work is not None:
-                with self._label("all_gather_wait"):
-                    self._ag_work.wait()
-                self._ag_work = None
-            gathered = self.ag_out.view(self.shard_size, self.numel)
-            preserve_version = torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded)
-            with self._label("all_gather_copy_out"), torch.no_grad(), preserve_version:
-                for p in self.params:
-                    p.copy_out(gathered)
+            with self._label("all_gather_copy_out"):
+                if self._ag_work is not None:
+                    with self._label("all_gather_wait"):
+                        self._ag_work.wait()
+                    self._ag_work = None
+                gathered = self.ag_out.view(self.shard_size, self.numel)
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_unsharded):
+                    for p in self.params:
+                        p.copy_out(gathered)
             self.state = ShardState.UNSHARDED
 
     def use_unsharded(self) -> None:
@@ -262,9 +264,11 @@ class FSDPParamGroup:
             return
         self._post_backward_done = True
         if self.requires_gradient_sync and self.has_unsharded_grads():
-            self._issue_reduce_scatter()
+            with self._label("post_backward_reduce"):
+                self._issue_reduce_scatter()
         if self.reshard_after_backward:
-            self.reshard()
+            with self._label("post_backward_reshard"):
+                self.reshard()
 
     def _divide_factors(self) -> tuple[float, float]:
         if self.reduce_op == "sum":
@@ -298,7 +302,7 @@ class FSDPParamGroup:
         if not self._reduce_pending:
             return
         if self._rs_work is not None:
-            with self._label("reduce_scatter_wait"):
+            with self._label("post_backward_rs_wait"):
                 self._rs_work.wait()
             self._rs_work = None
         if self.replicas > 1:

@@ -105,6 +105,12 @@ class FSDPState:
     def _pre_forward(self, module, args, kwargs):
         if self.root is None:
             self._lazy_init()
+        if self.is_root:
+            with record_function("FSDP::root_pre_forward"):  # FSDP2's range around the root's own work
+                return self._pre_forward_group(args, kwargs)
+        return self._pre_forward_group(args, kwargs)
+
+    def _pre_forward_group(self, args, kwargs):
         root = self.root
         if torch._C._current_graph_task_id() == -1:  # not activation checkpointing's recompute
             self.training_state = TrainingState.FORWARD
@@ -120,7 +126,8 @@ class FSDPState:
             self.group.wait_for_unshard()
             self.group.use_unsharded()
             for target in self._forward_targets():
-                target.group.unshard()
+                with record_function(f"FSDP::forward_prefetch for {target.group.fqn}"):
+                    target.group.unshard()
         return args, kwargs
 
     @_phase("post_forward")
@@ -171,7 +178,8 @@ class FSDPState:
             if self.group is not None:
                 self.group.wait_for_unshard()
                 for target in self._backward_targets():
-                    target.group.unshard()
+                    with record_function(f"FSDP::backward_prefetch for {target.group.fqn}"):
+                        target.group.unshard()
         return grad
 
     def _backward_targets(self) -> list[FSDPState]:
@@ -185,7 +193,7 @@ class FSDPState:
         i = order.index(self)
         return [order[i - 1]] if i > 0 else []
 
-    @_phase("root_post_backward")
+    @_phase("root_post_backward_callback")
     def _finalize_backward(self) -> None:
         """End of backward (root): reduce what is left, wait for all reductions, reshard."""
         groups = [s.group for s in self._states if s.group is not None]

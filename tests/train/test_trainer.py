@@ -333,7 +333,7 @@ def test_profile_writes_a_trace_per_rank_with_fsdp_phases(ranks, tmp_path):
     (trace,) = tmp_path.glob("t-*/artifacts/rank0-*.trace.json")
     names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"train_step#2", "train_step#3"} <= names and "train_step#1" not in names
-    for phase in ("all_gather", "all_gather_copy_out", "reduce_scatter", "reduce_scatter_wait", "pre_backward"):
+    for phase in ("all_gather", "all_gather_copy_out", "post_backward_reduce", "post_backward_rs_wait", "pre_backward"):
         assert any(n.startswith(f"FSDP::{phase}") for n in names), phase
     assert "FSDP::all_gather (layers.1)" in names  # named by module
 
@@ -388,3 +388,33 @@ def test_tensor_parallelism_comes_from_the_models_own_plan(tmp_path):
     spec = _spec(tmp_path, parallelism={"tp": 2})
     with pytest.raises(TrainingError, match=r"needs a model with a parallelize\(tp_mesh, sequence_parallel=\.\.\.\) method"):
         apply_tp(nn.Linear(2, 2), None, spec)
+
+
+def _fsdp_profiler_labels(kind: str) -> list[str]:
+    """The FSDP:: ranges of one training step of a 2-block model under torch's fully_shard or ours,
+    without their module names."""
+    import re
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    if kind == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from hpservice.dtensor import init_device_mesh
+        from hpservice.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2,))
+    for block in (model[0], model[2], model):
+        fully_shard(block, mesh=mesh)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # lazy init and the prefetch order happen here
+    with torch.profiler.profile() as prof:
+        model(x).sum().backward()
+    return sorted({re.sub(r" (\(.*\)|for .*)$", "", e.name) for e in prof.events() if e.name.startswith("FSDP::")})
+
+
+def test_fsdp_profiler_ranges_carry_torch_fsdp2s_names(ranks):
+    """Every range torch's FSDP2 records in a step, ours records too (ours adds finer ones)."""
+    torch_labels = ranks(2).run(_fsdp_profiler_labels, "torch")[0]
+    ours = ranks(2).run(_fsdp_profiler_labels, "ours")[0]
+    assert len(torch_labels) >= 8 and set(torch_labels) <= set(ours), sorted(set(torch_labels) - set(ours))
