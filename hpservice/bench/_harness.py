@@ -31,7 +31,6 @@ import copy
 import ctypes
 import math
 import os
-import resource
 import statistics
 import sys
 import threading
@@ -44,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from hpservice.train._utilisation import rss_bytes  # the benches' memory readings too
 
 REFERENCE = "single"
 LR = 1e-3
@@ -400,21 +401,6 @@ def steps_and_warmup(args: argparse.Namespace, bench: str) -> tuple[int, int] | 
 
 # ---- memory ----------------------------------------------------------------------------------
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss_bytes() -> int:
-    """Current resident set size (Linux ``/proc/self/statm``); ``ru_maxrss`` elsewhere."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except OSError:
-        return max_rss_bytes()
-
-
-def max_rss_bytes() -> int:
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib if sys.platform == "darwin" else kib * 1024
 
 
 def malloc_trim() -> None:

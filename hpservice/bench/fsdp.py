@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from hpservice.bench import _harness as h
 from hpservice.bench._harness import LR, MIB, MLP, REFERENCE, count_patched, count_profiled
 from hpservice.launch import run_ranks
+from hpservice.train._utilisation import max_rss_bytes
 
 __all__ = ["MLP", "FSDPWorkload", "Transformer", "add_parser", "bench_rank", "combine", "format_table", "summary"]
 
@@ -290,7 +291,7 @@ def bench_rank(spec: FSDPWorkload, steps: int, warmup: int) -> dict:
         warmup,
         after=("count_step", "rss_step"),
     )
-    return {"rank": rank, "results": results, "max_rss_bytes": h.max_rss_bytes()}
+    return {"rank": rank, "results": results, "max_rss_bytes": max_rss_bytes()}
 
 
 # ---- report ----------------------------------------------------------------------------------

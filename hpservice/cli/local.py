@@ -89,8 +89,7 @@ def _run(args) -> int:
 
         from hpservice.train._compile import check_compile_available
 
-        gpu = spec.resources.use_gpu
-        device = "cuda" if gpu is True or (gpu == "auto" and torch.cuda.is_available()) else "cpu"
+        device = "cuda" if spec.resources.gpus_per_worker(torch.cuda.device_count()) else "cpu"
         if reason := check_compile_available(device):
             print(f"{args.job}: {reason}", file=sys.stderr)
             return ExitCode.USAGE

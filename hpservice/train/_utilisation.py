@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 
 import torch
@@ -101,16 +102,25 @@ class Utilisation:
         if self.device.type == "cuda":
             out["peak_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["peak_memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
-        rss = _rss_bytes()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; its high-water mark lags
+        rss = rss_bytes()
         out["rss_gib"] = rss / 2**30
-        out["peak_rss_gib"] = max(rss, peak) / 2**30
+        out["peak_rss_gib"] = max(rss, max_rss_bytes()) / 2**30  # the kernel's high-water mark lags
         return out
 
 
-def _rss_bytes() -> int:
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """Current resident set size (Linux ``/proc/self/statm``); the peak elsewhere."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):  # not Linux: the peak is the best there is
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return max_rss_bytes()
+
+
+def max_rss_bytes() -> int:
+    """The resident set's high-water mark (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib if sys.platform == "darwin" else kib * 1024
