@@ -44,6 +44,10 @@ class TrainWorker:
         from hpservice.spec import JobSpec
 
         spec = JobSpec.model_validate_json(spec_json)
+        if spec.training.compile:
+            from hpservice.train._compile import isolate_compile_cache
+
+            isolate_compile_cache(spec.run_dir())
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),

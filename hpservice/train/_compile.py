@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -29,6 +30,13 @@ def check_compile_available(device_type: str) -> str | None:
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
         return f"training.compile on CPU needs Python's C headers (Python.h) beside the compiler {compiler}"
     return None
+
+
+def isolate_compile_cache(run_dir: str) -> None:
+    """Inductor's caches (compiled kernels, and Triton's under them) in the run's own directory:
+    by default they go to one folder per user in the machine's temp directory, which the jobs of
+    every tenant on a node would share. The service's workers call this for each job."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run_dir) / "compile-cache")
 
 
 def apply_compile(model: nn.Module) -> None:

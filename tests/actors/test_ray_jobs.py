@@ -231,3 +231,15 @@ def test_failures_are_grouped_by_message_and_classified():
     assert [policy.backoff_s(n) for n in (1, 2, 3, 9)] == [1.0, 2.0, 4.0, 30.0]
     config = failure_from_polls([WorkerPoll(0, 0, True, 0.0, "TrainingError: bad", config_error=True)])
     assert config.kind is FailureKind.CONFIG and not policy.should_restart(config, 0)
+
+
+def test_a_compiled_job_keeps_its_compile_cache_in_its_own_directory(cluster, tmp_path):
+    """training.compile writes Inductor's kernels; a job's go under its run directory, not into the
+    per-user temp folder every tenant's jobs on the node would share."""
+    spec = _spec(tmp_path, "compiled", training={"steps": 2, "compile": True})
+    handle = start_job(spec)
+    status = handle.wait(timeout=400)
+    assert status["state"] == "SUCCEEDED", status
+    cache = tmp_path / "metrics" / handle.job_id / "compile-cache"
+    assert cache.is_dir() and any(p.is_file() for p in cache.rglob("*")), cache
+    _finish(handle)
