@@ -364,8 +364,14 @@ async def events(
             if await request.is_disconnected():
                 return
             job = await asyncio.to_thread(store.get_job, job_id)
-            if job is None or job["state"] in TERMINAL_STATES:
-                return  # deleted, or ended with nothing after Last-Event-ID: the stream is over
+            if job is None:
+                return  # deleted
+            if job["state"] in TERMINAL_STATES:
+                # It may have ended between the read of events and this one: deliver what came
+                # meanwhile (its terminal state event among it), else the stream is over.
+                if await asyncio.to_thread(store.events, job_id, after, 1):
+                    continue
+                return
             await asyncio.sleep(0.25)
             idle += 0.25
             if idle >= 15:

@@ -218,3 +218,23 @@ def test_resubmit_makes_a_new_job_from_the_submitted_spec_in_its_own_directory(t
         # admitted again for the new job: its outputs are under its own directory, not the first's
         assert new["id"] in new["spec"]["metrics"]["dir"] and first["id"] not in new["spec"]["metrics"]["dir"]
         assert c.post(f"/v1/jobs/{first['id']}/resubmit", headers=_auth("t-bob")).status_code == 404
+
+
+def test_events_deliver_a_terminal_state_committed_between_two_reads(tmp_path, monkeypatch):
+    """The stream reads events, finds none, then reads the job: if the job ended in between, its
+    terminal state event is delivered, not dropped (seen on a loaded machine)."""
+    with _client(tmp_path) as c:
+        job = c.post("/v1/jobs", json=SPEC).json()
+        store = c.app.state.store
+        store.add_metrics(job["id"], [{"step": 1, "loss": 5.0}])
+        store.set_state(job["id"], "SUCCEEDED", "done")
+        last = store.events(job["id"], 0)[-1][0]
+        real, calls = store.events, []
+
+        def events(job_id, after, *args):  # the first read comes just before the commit
+            calls.append(after)
+            return [] if len(calls) == 1 else real(job_id, after, *args)
+
+        monkeypatch.setattr(store, "events", events)
+        body = c.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": str(last - 1)}).text
+    assert f"id: {last}\nevent: state" in body and "SUCCEEDED" in body
