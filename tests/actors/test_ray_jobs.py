@@ -1,6 +1,7 @@
 """Jobs on a real local Ray cluster: success, worker loss, hangs, infeasible jobs, cancel, metrics."""
 
 import os
+import re
 import signal
 import time
 
@@ -204,12 +205,14 @@ def test_cancel_is_graceful_and_leaves_nothing(cluster, tmp_path):
 
 def test_a_config_error_fails_at_once_naming_every_rank(cluster, tmp_path):
     """A spec the trainer refuses while building (a freeze pattern that matches nothing) fails the
-    same way every time: no restart is spent on it, and the message groups the ranks by error."""
+    same way every time: no restart is spent on it, and the message names the ranks that raised
+    (grouping by message: test_failures_are_grouped_by_message_and_classified)."""
     spec = _spec(tmp_path, "config", training={"freeze": ["layers.9"]}, failure={"max_restarts": 3})
     handle = start_job(spec)
     status = handle.wait(timeout=180)
     assert status["state"] == "FAILED" and status["restarts"] == 0, status
-    assert status["message"].startswith("the job's spec cannot run (not retried): ranks 0, 1 raised: "), status
+    # whichever ranks had raised by the poll that saw the first (on a loaded machine, maybe one)
+    assert re.match(r"the job's spec cannot run \(not retried\): ranks? (0, 1|0|1) raised: ", status["message"]), status
     assert "training.freeze: 'layers.9' matches no parameter" in status["message"]
     _finish(handle)
 
