@@ -56,7 +56,7 @@ COPY api ./api
 RUN pip install --no-cache-dir --no-build-isolation --no-deps -c constraints.txt -e . \
  && pip check \
  && python -m compileall -q hpservice actors api \
- && python -c "import actors, api, hpservice, ray, torch; print('torch', torch.__version__, 'ray', ray.__version__)" \
+ && python -c "import hpservice.actors, hpservice.api, ray, torch; print('torch', torch.__version__, 'ray', ray.__version__)" \
  && test -f api/static/index.html
 COPY examples ./examples
 

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from actors import connect
+from hpservice.actors import connect
 from hpservice.spec import JobSpec
 
 from . import errors

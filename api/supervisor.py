@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import ray
 
-from actors import JobHandle, start_job
-from actors.coordinator import cluster_fit
+from hpservice.actors import JobHandle, start_job
+from hpservice.actors.coordinator import cluster_fit
 from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
 from hpservice.spec import parse_job
 

@@ -17,7 +17,7 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
     """Run ``spec`` to a terminal state, rendering progress; returns the process exit code."""
     import ray
 
-    from actors import connect, start_job
+    from hpservice.actors import connect, start_job
 
     console = console or Console()
     # A laptop job may ask for more CPU slots than cores: workers then share them.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 def stop_ray(data_dir: str | None) -> int:
     """``hpservice serve --stop-ray``: end the server's local Ray head (and every job on it)."""
-    from actors.head import stop_head
-    from api import Settings
+    from hpservice.actors.head import stop_head
+    from hpservice.api import Settings
 
     settings = Settings()
     if data_dir:
@@ -38,9 +38,9 @@ def serve(
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import uvicorn
 
-    from api import Settings, create_app
-    from api.logs import redact_tokens
-    from api.settings import load_tokens
+    from hpservice.api import Settings, create_app
+    from hpservice.api.logs import redact_tokens
+    from hpservice.api.settings import load_tokens
 
     settings = Settings(host=host, port=port, docs=docs)
     settings.model_factories = (*settings.model_factories, *allow_models)
@@ -61,7 +61,7 @@ def serve(
         )
     if not settings.ray_address:
         # Our own long-lived Ray head, so running jobs outlive a restart of this process.
-        from actors.head import ensure_head
+        from hpservice.actors.head import ensure_head
 
         try:
             head = ensure_head(settings.data_dir, num_cpus=num_cpus, num_gpus=num_gpus)

@@ -161,7 +161,7 @@ def _wait_gone(job_id: str, timeout_s: float = 30.0) -> None:
     """Wait until the job's coordinator actor no longer exists (shutdown() ends it)."""
     import ray
 
-    from actors import NAMESPACE, coordinator_name
+    from hpservice.actors import NAMESPACE, coordinator_name
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -175,7 +175,7 @@ def _wait_gone(job_id: str, timeout_s: float = 30.0) -> None:
 
 def measure_ours(name: str, workers: int, steps: int, root: Path, timeout_s: float) -> dict:
     """Submit one job, poll it every ``POLL_S`` until it ends; times in seconds."""
-    from actors import start_job
+    from hpservice.actors import start_job
     from hpservice.jobs import TERMINAL_STATES
     from hpservice.spec import parse_job
 
@@ -428,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
 
     import ray
 
-    from actors import init_local_ray
+    from hpservice.actors import init_local_ray
 
     in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if in_main else None

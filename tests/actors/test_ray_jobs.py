@@ -10,7 +10,7 @@ import ray
 import torch.nn as nn
 from ray.util.state import list_actors, list_placement_groups
 
-from actors import NAMESPACE, JobHandle, init_local_ray, start_job, worker_name
+from hpservice.actors import NAMESPACE, JobHandle, init_local_ray, start_job, worker_name
 from hpservice.launch import free_port
 from hpservice.spec import parse_job
 from hpservice.train import Trainer
@@ -181,7 +181,7 @@ def test_infeasible_job_fails_fast_with_its_reason(cluster, tmp_path):
     assert "needs 64 workers x (2 CPU)" in status["message"] and "the cluster has 4 CPU" in status["message"]
     assert "to fit it: a larger cluster (e.g. hpservice serve --num-cpus 128" in status["message"]
     _finish(handle)
-    from actors.coordinator import cluster_fit
+    from hpservice.actors.coordinator import cluster_fit
 
     why = cluster_fit(8, 1.0, 0)  # the fix it names makes it fit
     assert "--set resources.cpus_per_worker=0.5 (the workers then share the cores)" in why
@@ -218,7 +218,7 @@ def test_a_config_error_fails_at_once_naming_every_rank(cluster, tmp_path):
 
 
 def test_failures_are_grouped_by_message_and_classified():
-    from actors.policy import FailureKind, RestartPolicy, WorkerPoll, failure_from_polls
+    from hpservice.actors.policy import FailureKind, RestartPolicy, WorkerPoll, failure_from_polls
 
     polls = [
         WorkerPoll(0, 3, True, 0.0, "Traceback ...\nRuntimeError: boom"),

@@ -7,11 +7,11 @@ import time
 import pytest
 import ray
 
-import api.supervisor as supervisor_module
-from actors import init_local_ray
-from actors.coordinator import coordinator_name
-from api.store import Store
-from api.supervisor import Supervisor
+import hpservice.api.supervisor as supervisor_module
+from hpservice.actors import init_local_ray
+from hpservice.actors.coordinator import coordinator_name
+from hpservice.api.store import Store
+from hpservice.api.supervisor import Supervisor
 
 SPEC = {"name": "s", "model": {"name": "llama", "flavor": "tiny"}, "training": {"steps": 100}}
 

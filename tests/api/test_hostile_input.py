@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.exc import OperationalError
 
-from api import Settings, create_app
+from hpservice.api import Settings, create_app
 
 SPEC = {"name": "tiny", "model": {"name": "llama", "flavor": "tiny"}, "training": {"steps": 3}}
 BOMB = "\n".join(

@@ -8,9 +8,9 @@ import os
 import pytest
 from fastapi.testclient import TestClient
 
-from api import Settings, create_app, policy
-from api.logs import RedactTokens, redact
-from api.settings import Principal, load_tokens
+from hpservice.api import Settings, create_app, policy
+from hpservice.api.logs import RedactTokens, redact
+from hpservice.api.settings import Principal, load_tokens
 
 ALICE, BOB, ADMIN = "t-alice-0123456789", "t-bob-0123456789", "t-admin-0123456789"
 TOKENS = {ALICE: Principal("alice"), BOB: Principal("bob"), ADMIN: Principal("ops", admin=True)}

@@ -3,8 +3,8 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from api import Settings, create_app
-from api.settings import Principal, load_tokens
+from hpservice.api import Settings, create_app
+from hpservice.api.settings import Principal, load_tokens
 
 TOKENS = {"t-alice": Principal("alice"), "t-bob": Principal("bob"), "t-admin": Principal("ops", admin=True)}
 SPEC = {"name": "tiny", "model": {"name": "llama", "flavor": "tiny"}, "training": {"steps": 3}}

@@ -7,8 +7,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
-from api import Settings, create_app
-from api.settings import Principal
+from hpservice.api import Settings, create_app
+from hpservice.api.settings import Principal
 
 _APP = create_app(
     Settings(data_dir=Path(tempfile.mkdtemp(prefix="hpservice-fuzz-")), tokens={"t": Principal("alice")}),

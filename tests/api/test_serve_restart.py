@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from actors.head import running_head, stop_head
+from hpservice.actors.head import running_head, stop_head
 from hpservice.launch import free_port
 
 SPEC = {

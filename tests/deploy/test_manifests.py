@@ -340,7 +340,7 @@ def _check_env_names(names: set[str]) -> None:
 
 def _app_routes(tmp_path) -> set[str]:
     """The GET paths of the real app, from its OpenAPI document."""
-    from api import Settings, create_app
+    from hpservice.api import Settings, create_app
 
     app = create_app(Settings(data_dir=tmp_path), connect_ray=False, supervise=False)
     return {path for path, ops in app.openapi()["paths"].items() if "get" in ops}

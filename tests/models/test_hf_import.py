@@ -231,9 +231,9 @@ def test_export_a_jobs_checkpoint_from_the_api(ranks, tmp_path):
     directory; other owners get 404, unknown steps 404, a broken checkpoint 422."""
     from fastapi.testclient import TestClient
 
-    from api import Settings, create_app
-    from api.policy import job_dir
-    from api.settings import Principal
+    from hpservice.api import Settings, create_app
+    from hpservice.api.policy import job_dir
+    from hpservice.api.settings import Principal
     from tests._jobs import tiny_llama_job
 
     tokens = {"alice-token-0123456789": Principal("alice"), "bob-token-0123456789": Principal("bob")}

@@ -130,7 +130,7 @@ def test_a_layout_that_cannot_fill_the_workers_is_refused_before_anything_starts
 
 
 def test_the_gpu_question_is_decided_once_and_handed_down():
-    from actors.coordinator import attempt_spec
+    from hpservice.actors.coordinator import attempt_spec
 
     auto = parse_job({"name": "a", "resources": {"workers": 2}}).resources
     assert (auto.gpus_per_worker(0), auto.gpus_per_worker(1), auto.gpus_per_worker(2)) == (0, 0, 1)

@@ -169,7 +169,7 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/job-states")
     def job_states():  # the server's own vocabulary: the page must not write the states again
-        from api.routes.states import job_states
+        from hpservice.api.routes.states import job_states
 
         return job_states()
 

@@ -1,0 +1,42 @@
+"""The package layout pyproject declares: every package folder is listed, the layers install under
+the hpservice namespace, and a built wheel has no top-level `api` or `actors`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_folder_is_declared_under_the_hpservice_namespace():
+    config = _config()
+    found = set()
+    for name, folder in config["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([name, *rel.parts]))
+    assert found == set(config["packages"])
+    assert all(p == "hpservice" or p.startswith("hpservice.") for p in config["packages"])
+
+
+def test_the_wheel_installs_the_layers_as_hpservice_api_and_actors(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("hpservice-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert "api" not in tops and "actors" not in tops
+    assert "hpservice/api/static/index.html" in names
+    assert "hpservice/actors/coordinator.py" in names
+    assert "hpservice/api/routes/jobs.py" in names
