@@ -20,15 +20,19 @@ import ray
 from hpservice.jobs import TERMINAL_STATES
 
 from .coordinator import Coordinator, coordinator_name, worker_name
+from .nodes import HEAD_RESOURCE
 
 NAMESPACE = "hpservice"
+COORDINATOR_RESOURCE_ENV = "HPSERVICE_COORDINATOR_RESOURCE"
 
 __all__ = [
+    "COORDINATOR_RESOURCE_ENV",
     "NAMESPACE",
     "JobHandle",
     "connect",
     "connect_ray",
     "coordinator_name",
+    "coordinator_resource",
     "init_local_ray",
     "start_job",
     "worker_name",
@@ -119,14 +123,28 @@ class JobHandle:
             ray.get(self.coordinator.shutdown.remote())
 
 
+def coordinator_resource() -> str | None:
+    """The Ray resource a job's coordinator needs (a tiny share of it), which pins it to the
+    nodes that have it: the head node by default (``node:__internal_head__``), never a worker
+    node whose loss would take the job's supervision with it. The operator names another one
+    (a custom resource given to the nodes coordinators may run on) in
+    ``HPSERVICE_COORDINATOR_RESOURCE``; ``none`` lets it run anywhere."""
+    value = os.environ.get(COORDINATOR_RESOURCE_ENV, HEAD_RESOURCE).strip()
+    return None if value.lower() in ("", "none") else value
+
+
 def start_job(spec, job_id: str | None = None) -> JobHandle:
     """Start ``spec`` (a JobSpec) on the connected Ray cluster; returns at once. The job id is the
     run id (``spec.run_id``, else ``job_id``, else a new one): restarts of the job share its
     outputs, other jobs never do."""
     spec = spec.with_run(job_id)
     job_id = spec.run_id
-    coordinator = Coordinator.options(name=coordinator_name(job_id), namespace=NAMESPACE, lifetime="detached").remote(
-        job_id, spec.model_dump_json(by_alias=True)
-    )
+    pin = coordinator_resource()
+    coordinator = Coordinator.options(
+        name=coordinator_name(job_id),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        resources={pin: 0.001} if pin else None,
+    ).remote(job_id, spec.model_dump_json(by_alias=True))
     coordinator.run.remote()
     return JobHandle(job_id, coordinator)

@@ -25,7 +25,6 @@ methods answer clients.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -36,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hpservice.jobs import JobState
 
+from . import nodes, placement
 from .policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls
 from .worker import TrainWorker
 
@@ -55,30 +55,15 @@ def worker_name(job_id: str, rank: int) -> str:
 class _Failure(Exception):
     """An attempt failed; ``failure`` says how (``policy``): the restart policy decides what next."""
 
-    def __init__(self, reason: str, kind: FailureKind = FailureKind.WORKER):
+    def __init__(self, reason: str, kind: FailureKind = FailureKind.WORKER, lost_nodes: tuple[str, ...] = ()):
         super().__init__(reason)
-        self.failure = AttemptFailure(kind, reason)
+        self.failure = AttemptFailure(kind, reason, lost_nodes)
 
 
-def cluster_fit(workers: int, cpus: float, gpus: int) -> str | None:
-    """None if the job can ever fit this cluster, else why not (what it needs, what there is)."""
-    per_node = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    slots = sum(
-        int(min(r.get("CPU", 0) // cpus if cpus else 1e9, r.get("GPU", 0) // gpus if gpus else 1e9)) for r in per_node
-    )
-    if slots >= workers:
-        return None
-    total_cpu = sum(r.get("CPU", 0) for r in per_node)
-    total_gpu = sum(r.get("GPU", 0) for r in per_node)
-    need = f"{workers} workers x ({cpus:g} CPU" + (f", {gpus} GPU" if gpus else "") + ")"
-    why = f"job needs {need}; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(per_node)} node(s), room for {slots} such workers"
-    fixes = []
-    biggest = max((r.get("CPU", 0) for r in per_node), default=0)
-    share = math.floor(biggest / workers * 4) / 4  # CPUs per worker that fit all workers on the largest node
-    if not gpus and share > 0:
-        fixes.append(f"--set resources.cpus_per_worker={share:g} (the workers then share the cores)")
-    fixes.append(f"a larger cluster (e.g. hpservice serve --num-cpus {math.ceil(workers * cpus)} on one machine)")
-    return f"{why}; to fit it: {' or '.join(fixes)}"
+def cluster_fit(spec, gpus: int) -> str | None:
+    """None if ``spec``'s workers (``gpus`` each) can ever be placed on this cluster's live nodes
+    as its placement asks, else why not and how to make it fit (``placement.infeasible``)."""
+    return placement.infeasible(placement.plan_placement(spec, gpus), nodes.alive_resources(), spec)
 
 
 def attempt_spec(spec, resume: bool, gpus: int):
@@ -111,6 +96,15 @@ class Coordinator:
         self._stop_deadline_s = 60.0
         self._workers: list = []
         self._pg = None
+        self._plan: placement.PlacementPlan | None = None
+        self._gpus = 0
+        self._placement: list[dict] = []  # rank -> node of the current attempt
+        self._policy = RestartPolicy(self.spec.failure.max_restarts)
+        self._attempt = 0
+        self._lost_nodes: tuple[str, ...] = ()  # to replace before the next attempt
+        self._node_losses: list[dict] = []
+        self._stop_sent_at: float | None = None
+        self._first_step: int | None = None  # the step this attempt started from
         self._step = 0
         self._gauges = self._make_gauges()
 
@@ -136,6 +130,8 @@ class Coordinator:
                 "total_steps": self.spec.training.steps,
                 "restarts": len(self._restarts),
                 "restart_reasons": [r["reason"] for r in self._restarts],
+                "node_losses": list(self._node_losses),
+                "placement": list(self._placement),
                 "checkpoints": list(self._checkpoints),
                 "metrics_dropped": self._dropped,
             }
@@ -211,107 +207,207 @@ class Coordinator:
         self._teardown()
         ray.actor.exit_actor()
 
-    # ---- supervision --------------------------------------------------------------------------
+    # ---- supervision: one handler per live state -------------------------------------------
     def run(self) -> str:
-        """Run the job to a terminal state; returns it."""
-        spec = self.spec
-        r = spec.resources
-        gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
-        why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
+        """Run the job to a terminal state; returns it. Each live state has a handler that does
+        that state's work and returns the next state with its message (``TRANSITIONS`` says
+        which moves exist; ``_set_state`` refuses any other)."""
+        handlers = {
+            JobState.QUEUED: self._queued,
+            JobState.STARTING: self._starting,
+            JobState.RESTARTING: self._restarting,
+            JobState.RUNNING: self._running,
+            JobState.CANCELLING: self._running,  # the same supervision, the stop already sent
+        }
+        while not self.state.is_terminal:
+            state, message = handlers[self.state]()
+            self._set_state(state, message)
+        self._teardown()
+        return self.state
+
+    def _queued(self) -> tuple[JobState, str]:
+        """Reserve the placement group; wait (saying so once) until the cluster has room."""
+        r = self.spec.resources
+        self._gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
+        why = cluster_fit(self.spec, self._gpus)
         if why is not None:
-            self._set_state(JobState.FAILED, why)
-            return self.state
-        bundle = {"CPU": r.cpus_per_worker, **({"GPU": 1} if gpus else {})}
-        self._pg = placement_group([dict(bundle) for _ in range(r.workers)], strategy="PACK", name=f"hp:{self.job_id}")
-        announced = False  # "waiting for resources" is said once, not on every poll
+            return JobState.FAILED, why
+        self._plan = placement.plan_placement(self.spec, self._gpus)
+        if not self._reserve(wait_s=None):
+            return JobState.CANCELLED, "cancelled while queued"
+        return JobState.STARTING, "attempt 1"
+
+    def _starting(self) -> tuple[JobState, str]:
+        return self._start_attempt(resume=False)
+
+    def _restarting(self) -> tuple[JobState, str]:
+        """After a failure: for a lost node, a new placement group on the live nodes (waiting
+        up to ``failure.capacity_wait_s`` for room); else the policy's back-off. Then the next
+        attempt, from the latest checkpoint."""
+        lost, self._lost_nodes = self._lost_nodes, ()
+        if lost:
+            known = nodes.nodes()
+            names = ", ".join(nodes.describe(n, known) for n in lost)
+            nodes.wait_marked_dead(lost, timeout_s=self.NODE_DEATH_WAIT_S)
+            remove_placement_group(self._pg)
+            self._pg = None
+            wait_s = self.spec.failure.capacity_wait_s
+            if not self._reserve(wait_s=wait_s, lost=names):
+                if self._stop_requested:
+                    return JobState.CANCELLED, f"cancelled while waiting for capacity ({names} lost)"
+                need = f"{self._plan.workers} workers x {self._plan.worker}"
+                return JobState.FAILED, f"{names} lost; no room for {need} on the live nodes within {wait_s:g} s"
+        else:
+            time.sleep(self._policy.backoff_s(len(self._restarts)))
+        self._attempt += 1
+        return self._start_attempt(resume=True)
+
+    def _start_attempt(self, resume: bool) -> tuple[JobState, str]:
+        try:
+            message = self._start_workers(resume)
+        except _Failure as e:
+            return self._after_failure(e.failure)
+        return JobState.RUNNING, message
+
+    def _running(self) -> tuple[JobState, str]:
+        """Supervise the attempt until it ends, fails, or a stop arrives (-> CANCELLING)."""
+        try:
+            return self._supervise()
+        except _Failure as e:
+            return self._after_failure(e.failure)
+
+    def _after_failure(self, failure: AttemptFailure) -> tuple[JobState, str]:
+        """What a failed attempt leads to: cancelled, a replacement of a lost node (not counted
+        as a restart), a restart, or the end (the policy decides)."""
+        self._kill_workers()
+        if self._stop_requested:
+            return JobState.CANCELLED, f"cancelled ({failure.reason})"
+        if failure.kind is FailureKind.NODE:
+            self._lost_nodes = failure.lost_nodes
+            self._node_losses.append({"time": time.time(), "reason": failure.reason, "nodes": list(failure.lost_nodes)})
+            return JobState.RESTARTING, f"{failure.reason}: replacing its workers (not counted as a restart)"
+        if not self._policy.should_restart(failure, len(self._restarts)):
+            return JobState.FAILED, self._policy.failed_message(failure)
+        self._restarts.append({"time": time.time(), "reason": failure.reason})
+        self._gauges["restarts"].set(len(self._restarts), tags={"job": self.job_id, "rank": "0"})
+        return JobState.RESTARTING, f"restart {len(self._restarts)}/{self.spec.failure.max_restarts}: {failure.reason}"
+
+    # ---- the work of the states ---------------------------------------------------------------
+    NODE_DEATH_WAIT_S = 60.0  # for Ray to mark a lost node dead before placing anything again
+
+    def _reserve(self, wait_s: float | None, lost: str | None = None) -> bool:
+        """Create the placement group and wait until it is placed: forever (``wait_s`` None) or
+        ``wait_s`` seconds; False if a stop came first or the time ran out. The wait is said in
+        the job's message once."""
+        r = self.spec.resources
+        self._pg = placement_group(
+            [dict(b) for b in self._plan.bundles], strategy=self._plan.strategy, name=f"hp:{self.job_id}"
+        )
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        announced = False
         while not self._wait_ready(self._pg):
-            if self._stop_requested:
-                self._teardown()
-                self._set_state(JobState.CANCELLED, "cancelled while queued")
-                return self.state
+            if self._stop_requested or (deadline is not None and time.monotonic() > deadline):
+                remove_placement_group(self._pg)
+                self._pg = None
+                return False
             if not announced:
                 announced = True
-                self._set_state(JobState.QUEUED, f"waiting for resources: {r.workers} x {bundle}")
-        policy = RestartPolicy(spec.failure.max_restarts)
-        attempt = 0
-        while True:
-            self._set_state(JobState.STARTING if attempt == 0 else JobState.RESTARTING, f"attempt {attempt + 1}")
-            try:
-                outcome = self._run_attempt(resume=attempt > 0, gpus=gpus)
-                self._teardown()
-                self._set_state(*outcome)
-                return self.state
-            except _Failure as e:
-                self._kill_workers()
-                if self._stop_requested:
-                    self._teardown()
-                    self._set_state(JobState.CANCELLED, f"cancelled ({e})")
-                    return self.state
-                if not policy.should_restart(e.failure, len(self._restarts)):
-                    self._teardown()
-                    self._set_state(JobState.FAILED, policy.failed_message(e.failure))
-                    return self.state
-                self._restarts.append({"time": time.time(), "reason": str(e)})
-                self._gauges["restarts"].set(len(self._restarts), tags={"job": self.job_id, "rank": "0"})
-                self._set_state(JobState.RESTARTING, f"restart {len(self._restarts)}/{spec.failure.max_restarts}: {e}")
-                time.sleep(policy.backoff_s(len(self._restarts)))
-                attempt += 1
+                what = f"{r.workers} x {self._plan.worker}" + (
+                    f" in groups of {self._plan.group_size} per node" if self._plan.group_size > 1 else ""
+                )
+                if lost is None:
+                    self._set_state(JobState.QUEUED, f"waiting for resources: {what}")
+                else:
+                    self._set_state(JobState.RESTARTING, f"waiting for capacity: {lost} lost; need {what}")
+        return True
 
     def _wait_ready(self, pg) -> bool:
         ready, _ = ray.wait([pg.ready()], timeout=POLL_S * 4)
         return bool(ready)
 
-    def _run_attempt(self, resume: bool, gpus: int) -> tuple[str, str]:
+    def _start_workers(self, resume: bool) -> str:
+        """Start one worker per rank in its bundle, rendezvous at rank 0's address; returns the
+        RUNNING message. Raises ``_Failure``."""
         spec = self.spec
-        attempt_json = attempt_spec(spec, resume, gpus).model_dump_json(by_alias=True)
+        attempt_json = attempt_spec(spec, resume, self._gpus).model_dump_json(by_alias=True)
         n = spec.resources.workers
         self._workers = [
             TrainWorker.options(
                 name=worker_name(self.job_id, i),
                 num_cpus=spec.resources.cpus_per_worker,
-                num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+                num_gpus=self._gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=self._plan.bundle_of_rank[i]
+                ),
             ).remote(self.job_id, i, n, coordinator_name(self.job_id))
             for i in range(n)
         ]
         try:
             addresses = ray.get([w.address.remote() for w in self._workers], timeout=300)
-            master_addr, master_port, _ = addresses[0]
-            ray.get(
-                [w.start.remote(attempt_json, master_addr, master_port) for w in self._workers], timeout=300
-            )
+            self._record_placement(addresses)
+            master_addr, master_port = addresses[0].ip, addresses[0].port
+            ray.get([w.start.remote(attempt_json, master_addr, master_port) for w in self._workers], timeout=300)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            raise _Failure(f"workers failed to start: {type(e).__name__}: {e}") from None
-        self._set_state(JobState.RUNNING, f"{n} workers, rendezvous {master_addr}:{master_port}")
-        stop_sent_at = None
-        first_step = None  # the step this attempt started from: until a rank passes it, it is starting up
+            raise self._classify(f"workers failed to start: {type(e).__name__}: {_short(e)}") from None
+        self._stop_sent_at = None
+        self._first_step = None
+        return f"{n} workers on {len({a.node_id for a in addresses})} node(s), rendezvous {master_addr}:{master_port}"
+
+    def _record_placement(self, addresses) -> None:
+        known = nodes.nodes()
+        with self._lock:
+            self._placement = [
+                {
+                    "rank": a.rank,
+                    "node_id": a.node_id,
+                    "node_ip": a.ip,
+                    "node": nodes.describe(a.node_id, known),
+                    "bundle": self._plan.bundle_of_rank[a.rank],
+                    "pid": a.pid,
+                }
+                for a in addresses
+            ]
+
+    def _classify(self, reason: str) -> _Failure:
+        """A worker died or stopped answering: a NODE failure if a node of the job was lost."""
+        with self._lock:
+            node_ids = [p["node_id"] for p in self._placement]
+        lost = tuple(nodes.lost(node_ids))
+        if lost:
+            names = ", ".join(nodes.describe(n) for n in lost)
+            return _Failure(f"{names} lost ({reason})", FailureKind.NODE, lost)
+        return _Failure(reason)
+
+    def _supervise(self) -> tuple[JobState, str]:
+        """Poll the workers until the attempt ends; raises ``_Failure``."""
+        spec = self.spec
         while True:
             time.sleep(POLL_S)
             try:
                 polls = ray.get([w.poll.remote() for w in self._workers], timeout=60)
             except ray.exceptions.RayActorError as e:
-                raise _Failure(f"a worker died: {_short(e)}") from None
+                raise self._classify(f"a worker died: {_short(e)}") from None
             except ray.exceptions.GetTimeoutError:
-                raise _Failure("workers stopped answering for 60 s") from None
+                raise self._classify("workers stopped answering for 60 s") from None
             failure = failure_from_polls(polls)
             if failure is not None:
                 raise _Failure(failure.reason, failure.kind)
             if all(p.done for p in polls):
                 if self._stop_requested:
-                    return (JobState.CANCELLED, f"stopped gracefully at step {max(p.step for p in polls)}")
-                return (JobState.SUCCEEDED, f"finished {spec.training.steps} steps")
+                    return JobState.CANCELLED, f"stopped gracefully at step {max(p.step for p in polls)}"
+                return JobState.SUCCEEDED, f"finished {spec.training.steps} steps"
             if self._stop_requested:
-                if stop_sent_at is None:
-                    self._set_state(JobState.CANCELLING, "finishing the current step and checkpointing")
+                if self._stop_sent_at is None:
                     ray.get([w.request_stop.remote() for w in self._workers])
-                    stop_sent_at = time.time()
-                elif time.time() - stop_sent_at > self._stop_deadline_s:
+                    self._stop_sent_at = time.time()
+                    return JobState.CANCELLING, "finishing the current step and checkpointing"
+                if time.time() - self._stop_sent_at > self._stop_deadline_s:
                     self._kill_workers()
-                    return (JobState.CANCELLED, f"killed after the {self._stop_deadline_s:g} s stop deadline")
+                    return JobState.CANCELLED, f"killed after the {self._stop_deadline_s:g} s stop deadline"
                 continue
             step = min(p.step for p in polls)
-            first_step = step if first_step is None else first_step
-            starting = step <= first_step  # the first step of an attempt also builds, loads and warms up
+            self._first_step = step if self._first_step is None else self._first_step
+            starting = step <= self._first_step  # the first step of an attempt also builds, loads and warms up
             limit = spec.failure.startup_timeout_s if starting else spec.failure.step_timeout_s
             stalled = time.time() - min(p.last_progress for p in polls)
             if stalled > limit:

@@ -10,6 +10,9 @@ A failure is classified when it happens:
 - ``worker``: a rank raised while training, died, stopped answering, or made no progress for the
   watchdog's limit. The job restarts from its latest checkpoint while restarts are left, after a
   back-off of 1, 2, 4, ... seconds (at most 30).
+- ``node``: a node the job's workers ran on was lost (its raylet is gone). That is the cluster's
+  failure, not the job's: the job waits for room on the live nodes (``failure.capacity_wait_s``)
+  and resumes from its latest checkpoint without spending a restart.
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ from dataclasses import dataclass
 class FailureKind(enum.Enum):
     CONFIG = "config"
     WORKER = "worker"
+    NODE = "node"
+
+
+@dataclass(frozen=True)
+class WorkerAddress:
+    """Where one rank runs: rank 0's ip and port are the rendezvous address."""
+
+    rank: int
+    ip: str  # the node's address, the one other nodes reach
+    port: int  # free on that node now
+    pid: int
+    node_id: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,7 @@ class WorkerPoll:
 class AttemptFailure:
     kind: FailureKind
     reason: str
+    lost_nodes: tuple[str, ...] = ()  # node ids, for a NODE failure
 
 
 def failure_from_polls(polls: list[WorkerPoll]) -> AttemptFailure | None:

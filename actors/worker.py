@@ -15,9 +15,9 @@ import traceback
 
 import ray
 
-from hpservice.launch import free_port
+from hpservice.launch import free_port, socket_interface
 
-from .policy import WorkerPoll
+from .policy import WorkerAddress, WorkerPoll
 
 
 @ray.remote
@@ -35,9 +35,10 @@ class TrainWorker:
         self._stop = threading.Event()
 
     # ---- placement and rendezvous -----------------------------------------------------------
-    def address(self) -> tuple[str, int, int]:
-        """(node IP, a free port on it, this process's PID): rank 0's is the rendezvous address."""
-        return ray.util.get_node_ip_address(), free_port(host=""), os.getpid()
+    def address(self) -> WorkerAddress:
+        """Where this rank runs; rank 0's is the rendezvous address."""
+        node_id = ray.get_runtime_context().get_node_id()
+        return WorkerAddress(self.rank, ray.util.get_node_ip_address(), free_port(host=""), os.getpid(), node_id)
 
     def start(self, spec_json: str, master_addr: str, master_port: int) -> None:
         """Run the attempt's spec, as the coordinator resolved it (GPUs, resume point)."""
@@ -56,6 +57,10 @@ class TrainWorker:
             LOCAL_RANK="0",  # Ray shows each worker only its own GPU
             LOCAL_WORLD_SIZE="1",
         )
+        # gloo (CPU jobs, and GPU jobs' checkpoint group) on the interface peers reach this node at
+        interface = socket_interface(ray.util.get_node_ip_address())
+        if interface is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
         self._thread = threading.Thread(target=self._run, args=(spec,), name=f"trainer-rank{self.rank}", daemon=True)
         self._thread.start()
 

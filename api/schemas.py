@@ -13,6 +13,17 @@ class HistoryEntry(BaseModel):
     message: str = ""
 
 
+class RankPlacement(BaseModel):
+    """Where one rank of the current attempt runs."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    node: str  # short id and address, for people
+    bundle: int  # its placement-group bundle (one per shard group under placement shard_group)
+    pid: int
+
+
 class JobOut(BaseModel):
     id: str
     name: str
@@ -27,6 +38,7 @@ class JobOut(BaseModel):
     updated_at: float
     history: list[HistoryEntry]
     checkpoints: list[dict[str, Any]]
+    placement: list[RankPlacement] = []  # rank -> node; empty until the workers start
     spec: dict[str, Any]
     ray_dashboard_url: str | None = None
 

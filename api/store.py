@@ -62,6 +62,7 @@ class JobRow(Base):
     started: Mapped[int] = mapped_column(Integer, default=0)  # the coordinator was launched
     log_time: Mapped[float] = mapped_column(Float, default=0.0)  # newest log line stored (stores before log_seq)
     log_seq: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the coordinator's cursor: last line stored
+    placement_json: Mapped[str | None] = mapped_column(Text, nullable=True)  # rank -> node of the current attempt
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +79,7 @@ class JobRow(Base):
             "updated_at": self.updated_at,
             "history": json.loads(self.history_json),
             "checkpoints": json.loads(self.checkpoints_json),
+            "placement": json.loads(self.placement_json or "[]"),
             "spec": json.loads(self.spec_json),
         }
 
@@ -265,6 +267,8 @@ class Store:
             row.history_json = json.dumps(history)
             checkpoints = status.get("checkpoints", json.loads(row.checkpoints_json))
             row.checkpoints_json = json.dumps(checkpoints)
+            if "placement" in status:
+                row.placement_json = json.dumps(status["placement"])
             row.updated_at = time.time()
             for c in checkpoints:
                 if c["step"] not in old_checkpoints:

@@ -23,6 +23,7 @@ that reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import ray
 
-from hpservice.actors import JobHandle, start_job
+from hpservice.actors import NAMESPACE, JobHandle, start_job, worker_name
 from hpservice.actors.coordinator import cluster_fit
 from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
 from hpservice.spec import parse_job
@@ -82,8 +83,7 @@ class Supervisor:
         too when no cluster is connected yet (the launch checks again)."""
         if not ray.is_initialized():
             return None
-        r = spec.resources
-        return cluster_fit(r.workers, r.cpus_per_worker, r.gpus_per_worker(ray.cluster_resources().get("GPU", 0)))
+        return cluster_fit(spec, spec.resources.gpus_per_worker(ray.cluster_resources().get("GPU", 0)))
 
     def cancel(self, job: dict) -> None:
         """Cancel ``job``: one transition, whatever the launch is doing (see the module doc)."""
@@ -137,7 +137,7 @@ class Supervisor:
         with self._lock:
             if (self.store.get_job(job["id"]) or {}).get("state") != JobState.QUEUED or self.store.is_started(job["id"]):
                 return  # cancelled (or launched) meanwhile
-            why = cluster_fit(r.workers, r.cpus_per_worker, gpus)
+            why = cluster_fit(spec, gpus)
             if why is not None:
                 self.store.set_state(job["id"], JobState.FAILED, why)
                 return
@@ -170,12 +170,7 @@ class Supervisor:
         """Send one news request to the job's coordinator; never waits for the answer."""
         handle = self._handle(job["id"])
         if handle is None:  # the Ray cluster it ran on is gone
-            if job["checkpoints"]:
-                step = job["checkpoints"][-1]["step"]
-                self.store.requeue(job["id"], f"requeued: its coordinator is gone (the Ray cluster restarted?); it "
-                                   f"resumes from its checkpoint of step {step}")  # fmt: skip
-            else:
-                self.store.set_state(job["id"], JobState.FAILED, "coordinator lost (the Ray cluster was restarted?)")
+            self._coordinator_lost(job["id"], "its coordinator is gone (the Ray cluster restarted?)")
             return
         coordinator = handle.coordinator
         self._requests[job["id"]] = _Request(
@@ -185,6 +180,21 @@ class Supervisor:
             log_time=job["log_time"] if job.get("log_seq") is None else -1.0,
             issued=time.monotonic(),
         )
+
+    def _coordinator_lost(self, job_id: str, why: str) -> None:
+        """A launched job whose coordinator is gone (its node lost, the Ray cluster restarted):
+        back to the queue to resume from its latest checkpoint, the store's record of which
+        outlives the coordinator; without a checkpoint it fails, saying why. Whatever workers
+        the dead coordinator left are killed first, so the relaunch gets their resources."""
+        job = self.store.get_job(job_id)
+        if job is None or job["state"] in TERMINAL_STATES:
+            return
+        _kill_orphans(job_id, job["spec"].get("resources", {}).get("workers", 0))
+        if job["checkpoints"]:
+            step = job["checkpoints"][-1]["step"]
+            self.store.requeue(job_id, f"requeued: {why}; it resumes from its checkpoint of step {step}")
+        else:
+            self.store.set_state(job_id, JobState.FAILED, f"coordinator lost: {why}; no checkpoint to resume from")
 
     def _collect(self, wait_s: float = 0.0) -> None:
         """Store the answers that have arrived (within ``wait_s`` for all of them together);
@@ -203,10 +213,10 @@ class Supervisor:
         try:
             update = ray.get(request.poll)
             lines = [line for line in ray.get(request.logs) if line["time"] > request.log_time]
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayActorError as e:
             with self._lock:
                 self._handles.pop(job_id, None)
-            self.store.set_state(job_id, JobState.FAILED, "coordinator died")
+            self._coordinator_lost(job_id, f"its coordinator died ({_first_line(e)})")
             return
         self.store.add_metrics(job_id, update["records"])
         self.store.add_logs(job_id, lines)
@@ -216,3 +226,16 @@ class Supervisor:
             with self._lock:
                 self._handles.pop(job_id, None)
             request.handle.shutdown()
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def _kill_orphans(job_id: str, workers: int) -> None:
+    """Kill the workers a lost coordinator left behind (detached from it, they would hold their
+    resources and their names)."""
+    for rank in range(workers):
+        with contextlib.suppress(ValueError):  # not there (never started, or died with its node)
+            ray.kill(ray.get_actor(worker_name(job_id, rank), namespace=NAMESPACE), no_restart=True)

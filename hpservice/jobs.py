@@ -125,3 +125,13 @@ def print_summary(console, job: dict, records: list[dict]) -> None:
         console.print(Text(f"  restarts: {job['restarts']} ({'; '.join(job.get('restart_reasons') or [])})"))
     if job.get("checkpoints"):
         console.print(Text(f"  latest checkpoint: {job['checkpoints'][-1].get('path')}"))
+
+
+def describe_placement(placement: list[dict]) -> str:
+    """A job's rank -> node map in one line: ``node 3026f34c (10.0.0.2): ranks 0, 1; node ...``."""
+    by_node: dict[str, list[int]] = {}
+    for p in placement:
+        by_node.setdefault(p["node"], []).append(p["rank"])
+    return "; ".join(
+        f"{node}: {'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))}" for node, ranks in by_node.items()
+    )

@@ -45,6 +45,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def socket_interface(ip: str) -> str | None:
+    """The name of this machine's network interface that has address ``ip`` (``lo`` for
+    127.0.0.1), or None (no such interface, or not Linux).
+
+    gloo binds to whatever this machine's hostname resolves to unless ``GLOO_SOCKET_IFNAME``
+    names an interface; where the hostname resolves to loopback, ranks on other nodes then
+    cannot reach it. The interface of the node's own address (the one its peers reach) fixes
+    that."""
+    try:
+        import fcntl
+        import struct
+    except ImportError:  # not a POSIX system
+        return None
+    siocgifaddr = 0x8915  # Linux: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results, pg_timeout_s: float) -> None:
     import torch
     import torch.distributed as dist

@@ -283,6 +283,12 @@ class ResourcesSpec(_Section):
         "auto", description="a GPU per worker: true, false, or auto (when the cluster has one for every worker)"
     )
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs each worker reserves (fractions share cores)")
+    placement: Literal["shard_group", "pack", "spread", "strict_pack"] = Field(
+        "shard_group",
+        description="where workers go: shard_group keeps each shard group (dp_shard x tp ranks) inside one node and "
+        "lets dp_replicate span nodes (a group larger than every node is refused); pack, spread, strict_pack: one "
+        "worker per placement-group bundle with Ray's strategy of that name (groups may span nodes)",
+    )
 
     def gpus_per_worker(self, cluster_gpus: float) -> int:
         """The one decision of "does this job use GPUs": 1 or 0 per worker, given the GPUs the
@@ -319,6 +325,12 @@ class FailureSpec(_Section):
         gt=0,
         description="rendezvous, model build, checkpoint load and the first step of an attempt may take this long "
         "before it counts as a hang (step_timeout_s applies from then on)",
+    )
+    capacity_wait_s: float = Field(
+        300.0,
+        gt=0,
+        description="after a node is lost, how long to wait for room for the job's workers on the live nodes "
+        "before failing (a lost node does not count as a restart)",
     )
 
 

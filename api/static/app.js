@@ -611,6 +611,22 @@
     const list = $("restart-reasons");
     list.replaceChildren(...(job.restart_reasons || []).map((r) => el("li", {}, typeof r === "string" ? r : JSON.stringify(r))));
     list.hidden = list.children.length === 0;
+    renderPlacement(job.placement || []);
+  }
+
+  // rank -> node of the current attempt, one line per node: "node 3026f34c (10.0.0.2): ranks 0, 1"
+  function renderPlacement(placement) {
+    const byNode = new Map();
+    for (const p of placement) {
+      if (!byNode.has(p.node)) byNode.set(p.node, []);
+      byNode.get(p.node).push(p.rank);
+    }
+    $("placement-summary").textContent = placement.length
+      ? `${placement.length} ranks on ${byNode.size} node${byNode.size === 1 ? "" : "s"}.`
+      : "Not placed yet.";
+    $("placement").replaceChildren(
+      ...[...byNode].map(([node, ranks]) => el("li", {}, `${node}: rank${ranks.length === 1 ? "" : "s"} ${ranks.join(", ")}`)),
+    );
   }
 
   function renderCheckpoints() {

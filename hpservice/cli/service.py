@@ -12,7 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from hpservice.jobs import EXIT_CODES_HELP, EXIT_FOR_STATE, TERMINAL_STATES, ExitCode, JobState, print_summary
+from hpservice.jobs import (
+    EXIT_CODES_HELP,
+    EXIT_FOR_STATE,
+    TERMINAL_STATES,
+    ExitCode,
+    JobState,
+    describe_placement,
+    print_summary,
+)
 
 from .local import load_launchable
 
@@ -208,6 +216,8 @@ def _cmd_status(args) -> int:
     ckpts = job.get("checkpoints") or []
     latest = f" (latest: step {ckpts[-1].get('step')} at {ckpts[-1].get('path')})" if ckpts else ""
     grid.add_row("checkpoints", _text(f"{len(ckpts)}{latest}"))
+    if job.get("placement"):
+        grid.add_row("placement", _text(describe_placement(job["placement"])))
     grid.add_row("created", _text(_when(job.get("created_at"))))
     grid.add_row("updated", _text(_when(job.get("updated_at"))))
     if job.get("ray_dashboard_url"):

@@ -101,7 +101,7 @@ def test_killed_worker_restarts_from_checkpoint(cluster, ranks, tmp_path):
     handle = start_job(spec)
     _wait_step(handle, 6)
     worker = ray.get_actor(worker_name(handle.job_id, 1), namespace=NAMESPACE)
-    pid = ray.get(worker.address.remote())[2]
+    pid = ray.get(worker.address.remote()).pid
     os.kill(pid, signal.SIGKILL)
     status = handle.wait(timeout=300)
     assert status["state"] == "SUCCEEDED", status
@@ -174,18 +174,19 @@ def test_a_slow_first_step_is_not_a_hang(cluster, tmp_path):
 
 
 def test_infeasible_job_fails_fast_with_its_reason(cluster, tmp_path):
-    spec = _spec(tmp_path, "big", resources={"workers": 64, "cpus_per_worker": 2})
+    spec = _spec(tmp_path, "big", resources={"workers": 64, "cpus_per_worker": 2}, parallelism={"dp_replicate": 64})
     handle = start_job(spec)
     status = handle.wait(timeout=60)
     assert status["state"] == "FAILED", status  # at once: handle.wait bounds it
-    assert "needs 64 workers x (2 CPU)" in status["message"] and "the cluster has 4 CPU" in status["message"]
+    assert "needs 64 workers x (2 CPU)" in status["message"] and "1 node(s): 4 CPU" in status["message"]
     assert "to fit it: a larger cluster (e.g. hpservice serve --num-cpus 128" in status["message"]
     _finish(handle)
     from hpservice.actors.coordinator import cluster_fit
 
-    why = cluster_fit(8, 1.0, 0)  # the fix it names makes it fit
+    eight = _spec(tmp_path, "eight", resources={"workers": 8})
+    why = cluster_fit(eight, 0)  # the fix it names makes it fit
     assert "--set resources.cpus_per_worker=0.5 (the workers then share the cores)" in why
-    assert cluster_fit(8, 0.5, 0) is None
+    assert cluster_fit(_spec(tmp_path, "eight", resources={"workers": 8, "cpus_per_worker": 0.5}), 0) is None
 
 
 def test_cancel_is_graceful_and_leaves_nothing(cluster, tmp_path):
