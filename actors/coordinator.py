@@ -107,6 +107,7 @@ class Coordinator:
         self._first_step: int | None = None  # the step this attempt started from
         self._step = 0
         self._gauges = self._make_gauges()
+        self._node_id = ray.get_runtime_context().get_node_id()  # where supervision runs (the head by default)
 
     # ---- state ------------------------------------------------------------------------------
     def _set_state(self, state: str, message: str = "") -> None:
@@ -132,6 +133,7 @@ class Coordinator:
                 "restart_reasons": [r["reason"] for r in self._restarts],
                 "node_losses": list(self._node_losses),
                 "placement": list(self._placement),
+                "coordinator_node": self._node_id,
                 "checkpoints": list(self._checkpoints),
                 "metrics_dropped": self._dropped,
             }

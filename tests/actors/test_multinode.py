@@ -1,0 +1,207 @@
+"""Jobs on a simulated multi-node cluster: several raylets on this machine (ray.cluster_utils.Cluster),
+each a node with its own resources. Placement keeps shard groups inside a node; the coordinator
+runs on the head; a lost node is replaced without spending a restart, or the job fails naming it;
+a job whose coordinator's node is lost is requeued by the supervisor and resumes.
+
+Each test starts its own cluster and stops it (Cluster.shutdown ends the processes it started);
+nodes are killed with Cluster.remove_node, which kills the processes of that node it started.
+Health checks are fast, so Ray marks a killed node dead in seconds rather than the default ~30.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+from hpservice.actors import COORDINATOR_RESOURCE_ENV, JobHandle, start_job
+from hpservice.actors.placement import infeasible, plan_placement
+from hpservice.spec import parse_job
+from hpservice.train import Trainer
+
+FAST_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
+
+@contextlib.contextmanager
+def simulated_cluster(*nodes: dict):
+    """A 0-CPU head (the Kubernetes layout: nothing trains there) and one raylet per ``nodes``
+    entry (``{"num_cpus": 2, "resources": {...}}``); this process connected to it."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS},
+    )
+    try:
+        for node in nodes:
+            cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="hpservice", log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _spec(tmp, name, **sections):
+    data = {
+        "name": name,
+        "model": {"name": "llama", "flavor": "tiny"},
+        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
+        "training": {"steps": 6},
+        "optimizer": {"lr": 3.0e-3},
+        "resources": {"workers": 2, "use_gpu": False},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "metrics": {"dir": str(tmp / "metrics")},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_job(data)
+
+
+def _wait(predicate, what: str, timeout: float = 180, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not {what} after {timeout} s"
+        time.sleep(poll_s)
+
+
+def _node_of(cluster, node_id: str):
+    return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+
+
+def _torchrun_losses(spec):
+    return [r["loss"] for r in Trainer(spec, log_to_stdout=False).train()]
+
+
+def test_placement_plans_and_reasons_without_a_cluster(tmp_path):
+    hsdp = _spec(tmp_path, "hsdp", resources={"workers": 4}, parallelism={"dp_replicate": 2})
+    plan = plan_placement(hsdp, gpus=0)
+    assert plan.bundles == ({"CPU": 2.0}, {"CPU": 2.0}) and plan.bundle_of_rank == (0, 0, 1, 1)
+    assert plan.strategy == "PACK" and plan.group_size == 2
+    assert infeasible(plan, [{"CPU": 3}, {"CPU": 2}], hsdp) is None
+    # 3 + 1: four CPUs, but the second group of two fits in no node
+    why = infeasible(plan, [{"CPU": 3}, {"CPU": 1}], hsdp)
+    assert "each shard group (dp_shard x tp = 2 workers, 2 CPU) must fit in one node" in why
+    assert "--set resources.placement=pack" in why
+    fsdp = _spec(tmp_path, "fsdp", resources={"workers": 4})
+    why = infeasible(plan_placement(fsdp, 0), [{"CPU": 2}, {"CPU": 2}], fsdp)
+    assert "shard groups of at most 2 workers (set parallelism.dp_replicate" in why
+    packed = _spec(tmp_path, "pack", resources={"workers": 4, "placement": "pack"})
+    plan = plan_placement(packed, 0)
+    assert plan.bundles == ({"CPU": 1.0},) * 4 and plan.strategy == "PACK" and plan.group_size == 1
+    assert infeasible(plan, [{"CPU": 2}, {"CPU": 2}], packed) is None
+    tp = _spec(tmp_path, "tp", resources={"workers": 4}, parallelism={"tp": 2, "dp_replicate": 2})
+    assert plan_placement(tp, 1).bundles == ({"CPU": 2.0, "GPU": 2},) * 2
+    strict = _spec(tmp_path, "strict", resources={"workers": 4, "placement": "strict_pack"})
+    assert "puts all 4 workers on one node; the largest holds 2" in infeasible(
+        plan_placement(strict, 0), [{"CPU": 2}, {"CPU": 2}], strict
+    )
+
+
+def test_uneven_nodes_keep_each_shard_group_in_one_node_and_the_coordinator_on_the_head(tmp_path):
+    """3 + 2 CPUs: Ray's PACK of four 1-CPU bundles puts ranks 0-2 on the 3-CPU node and splits
+    the second shard group; one bundle per group cannot split."""
+    spec = _spec(tmp_path, "hsdp", resources={"workers": 4}, parallelism={"dp_replicate": 2})
+    with simulated_cluster({"num_cpus": 3}, {"num_cpus": 2}):
+        handle = start_job(spec)
+        status = handle.wait(timeout=300)
+        assert status["state"] == "SUCCEEDED", status
+        node = {p["rank"]: p["node_id"] for p in status["placement"]}
+        assert node[0] == node[1] and node[2] == node[3] and node[0] != node[2], status["placement"]
+        assert "4 workers on 2 node(s)" in " ".join(h["message"] for h in status["history"])
+        head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
+        assert status["coordinator_node"] == head
+        handle.shutdown()
+
+
+def test_a_lost_node_fails_the_job_naming_it_when_no_capacity_comes_back(tmp_path):
+    spec = _spec(
+        tmp_path,
+        "lost",
+        training={"steps": 100000},
+        checkpoint={"interval": 5},
+        failure={"max_restarts": 3, "capacity_wait_s": 5},
+    )
+    with simulated_cluster({"num_cpus": 2}) as cluster:
+        handle = start_job(spec)
+        status = _wait(lambda: (s := handle.status())["step"] >= 6 and s, "at step 6")
+        node_id = status["placement"][0]["node_id"]
+        cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)
+        status = handle.wait(timeout=180)
+        assert status["state"] == "FAILED", status
+        assert f"node {node_id[:8]}" in status["message"] and "lost; no room for 2 workers" in status["message"]
+        assert "within 5 s" in status["message"] and status["restarts"] == 0, status
+        messages = [h["message"] for h in status["history"]]
+        assert any(m.startswith("waiting for capacity: node ") for m in messages), messages
+        handle.shutdown()
+
+
+def test_a_lost_node_is_replaced_by_a_new_one_without_spending_a_restart(ranks, tmp_path):
+    """The node the job runs on dies; a node joins later; the job resumes from its latest
+    checkpoint on it, with the losses of an undisturbed run, and max_restarts 0 is not spent."""
+    steps = 400
+    spec = _spec(
+        tmp_path,
+        "replaced",
+        training={"steps": steps},
+        checkpoint={"interval": 5, "keep": 1},
+        failure={"max_restarts": 0, "capacity_wait_s": 240},
+    )
+    with simulated_cluster({"num_cpus": 2}) as cluster:
+        handle = start_job(spec)
+        status = _wait(lambda: (s := handle.status())["checkpoints"] and s, "checkpointed")
+        node_id = status["placement"][0]["node_id"]
+        cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)
+        waiting = _wait(
+            lambda: (s := handle.status())["message"].startswith("waiting for capacity") and s, "waiting for capacity"
+        )
+        assert waiting["state"] == "RESTARTING" and f"node {node_id[:8]}" in waiting["message"], waiting
+        cluster.add_node(num_cpus=2)
+        status = handle.wait(timeout=300)
+        assert status["state"] == "SUCCEEDED", status
+        assert status["restarts"] == 0 and len(status["node_losses"]) == 1, status
+        assert {p["node_id"] for p in status["placement"]} != {node_id}
+        records = handle.poll(since_step=0)["records"]
+        handle.shutdown()
+    expected = ranks(2).run(_torchrun_losses, _spec(tmp_path / "ref", "replaced", training={"steps": steps}))[0]
+    by_step = {r["step"]: r["loss"] for r in records}  # the resumed attempt's record of a step replaces the first
+    assert sorted(by_step) == list(range(1, steps + 1))
+    assert [by_step[s] for s in range(1, steps + 1)] == expected
+
+
+def test_the_supervisor_requeues_a_job_whose_coordinators_node_was_lost(tmp_path, monkeypatch):
+    """The operator lets coordinators run on the nodes with resource ``coord``; the node with the
+    job's coordinator dies; the server notices, requeues the job from its latest checkpoint (the
+    store has it) and the relaunched coordinator finishes it."""
+    from hpservice.api.store import Store
+    from hpservice.api.supervisor import Supervisor
+
+    monkeypatch.setenv(COORDINATOR_RESOURCE_ENV, "coord")
+    steps = 400
+    job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 1})
+    with simulated_cluster({"num_cpus": 2, "resources": {"coord": 1}}, {"num_cpus": 2, "resources": {"coord": 1}}) as cluster:
+        store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
+        supervisor = Supervisor(store, poll_interval_s=0.2)
+        job_id = "requeued-0001"
+        store.create_job(job_id, job.name, "alice", job.model_dump(mode="json", by_alias=True), steps, None)
+        supervisor.start()
+        try:
+            _wait(lambda: (j := store.get_job(job_id))["checkpoints"] and j["state"] == "RUNNING", "checkpointed")
+            node_id = JobHandle.attach(job_id).status()["coordinator_node"]
+            cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)
+            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300)
+        finally:
+            supervisor.stop()
+    assert final["state"] == "SUCCEEDED", final
+    messages = [h["message"] for h in final["history"]]
+    assert any(m.startswith("requeued: its coordinator died") and "resumes from its checkpoint of step" in m for m in messages), messages
+    assert final["step"] == steps
