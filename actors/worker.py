@@ -65,6 +65,7 @@ class TrainWorker:
         self._thread.start()
 
     def _run(self, spec) -> None:
+        from hpservice.checkpoint import CheckpointStorageError
         from hpservice.spec import SpecError
         from hpservice.train import Trainer, TrainingError
 
@@ -80,8 +81,12 @@ class TrainWorker:
             self._trainer.train()
         except BaseException as e:
             self._error = traceback.format_exc()
-            # Refused while being built from the spec: the same spec would fail the same way.
-            self._config_error = self._trainer is None and isinstance(e, TrainingError | SpecError)
+            # Refused while being built from the spec, or checkpoints the storage cannot hold: the
+            # same spec would fail the same way.
+            built = self._trainer is not None
+            self._config_error = isinstance(e, CheckpointStorageError) or (
+                not built and isinstance(e, TrainingError | SpecError)
+            )
             self._log(self._error)
         finally:
             self._done = True

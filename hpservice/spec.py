@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import uuid
 from pathlib import Path
@@ -418,10 +419,18 @@ class JobSpec(_Section):
         if self.run_id is not None and (run_id is None or run_id == self.run_id):
             return self
         run_id = run_id or new_run_id(self.name)
+        metrics = self.metrics
+        if "://" not in metrics.dir and not os.path.isabs(metrics.dir):
+            # absolute where the run is decided: a relative path would mean each node's own working
+            # directory, so the ranks of a multi-node job would write to different disks
+            metrics = metrics.model_copy(update={"dir": os.path.abspath(metrics.dir)})
+        spec = self.model_copy(update={"metrics": metrics})
         checkpoint = self.checkpoint
         if checkpoint.dir is None:
-            checkpoint = checkpoint.model_copy(update={"dir": f"{self.run_dir(run_id)}/checkpoints"})
-        return self.model_copy(update={"run_id": run_id, "checkpoint": checkpoint})
+            checkpoint = checkpoint.model_copy(update={"dir": f"{spec.run_dir(run_id)}/checkpoints"})
+        elif "://" not in checkpoint.dir and not os.path.isabs(checkpoint.dir):
+            checkpoint = checkpoint.model_copy(update={"dir": os.path.abspath(checkpoint.dir)})
+        return spec.model_copy(update={"run_id": run_id, "checkpoint": checkpoint})
 
     def run_dir(self, run_id: str | None = None) -> str:
         """Where this run writes its metrics (a path or a URL)."""

@@ -11,13 +11,14 @@ see ``_storage``).
 """
 
 from ._export import export_safetensors, load_full_state_dict
-from ._manager import CheckpointError, CheckpointInfo, CheckpointManager, verify_files
+from ._manager import CheckpointError, CheckpointInfo, CheckpointManager, CheckpointStorageError, verify_files
 from ._state import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointStorageError",
     "export_safetensors",
     "load_full_state_dict",
     "load_optimizer_state_dict",

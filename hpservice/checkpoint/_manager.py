@@ -8,9 +8,20 @@ Layout under ``root``::
         manifest.json           step, time, world size, metrics, every file's size and sha256
     step-00000200.tmp/          being written, or left by a crash: never loaded, cleaned up
 
-Commit protocol: every rank writes into ``step-N.tmp/``; a barrier; rank 0 writes the manifest,
-then renames the directory to ``step-N/`` (one atomic rename); a barrier. A checkpoint without a
-manifest does not exist, so a crash at any moment leaves the previous checkpoint as ``latest()``.
+Commit protocol: every rank writes into ``step-N.tmp/`` and lists the files it wrote with their
+sizes and sha256 (torch.distributed.checkpoint's write results name them); rank 0 gathers the
+lists, checks that every rank's files are present at the commit location with their sizes, writes
+the manifest (every file, its size, hash and writer) and renames the directory to ``step-N/``
+(one atomic rename); every rank then learns the outcome. A checkpoint without a manifest does not
+exist, so a crash at any moment leaves the previous checkpoint as ``latest()``.
+
+Shared storage: a local ``root`` must be one directory for every rank (a volume every node
+mounts). On node-local disks each node would hold only its own ranks' shards; so the manager
+checks, when it is created, that every rank sees a file rank 0 wrote there, and the commit checks
+every rank's files again. Either failing is a ``CheckpointStorageError`` on every rank, naming the
+ranks that do not share the directory: the job cannot checkpoint there, and retrying does not
+help. Resuming from ``latest`` is decided by rank 0 and checked on every rank, so no rank
+starts fresh while another loads.
 
 Storage: ``root`` is a local directory (a path or a ``file://`` URL; a mounted shared volume
 counts) with the layout above, or an fsspec URL (``s3://bucket/prefix``, ``gs://...``,
@@ -32,7 +43,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
+import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpservice.dtensor import DTensor
@@ -50,7 +63,7 @@ from hpservice.dtensor import DTensor
 from ._state import load_optimizer_state_dict, optimizer_load_targets, optimizer_state_dict
 from ._storage import MANIFEST, FsspecStorage, is_remote, local_path
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager"]
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointStorageError"]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 FORMAT_VERSION = 1
@@ -58,6 +71,11 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class CheckpointStorageError(CheckpointError):
+    """The checkpoint directory is not one storage for every rank (node-local disks): no
+    checkpoint of this job can be committed there, whatever is retried."""
 
 
 def _root_cause(e: BaseException) -> str:
@@ -96,6 +114,26 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class _RecordingWriter(FileSystemWriter):
+    """torch's FileSystemWriter, remembering the files this rank wrote (for the manifest)."""
+
+    written: list[str]
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written = sorted({r.storage_data.relative_path for r in future.value()})
+        return future
+
+
+def _describe_file(tmp: Path, name: str, rank: int) -> dict:
+    path = tmp / name
+    return {"name": name, "size": path.stat().st_size, "sha256": _sha256(path), "rank": rank}
+
+
+def _host() -> str:
+    return socket.gethostname()
 
 
 def _stage(value, buffers: dict, key: str = ""):
@@ -163,6 +201,50 @@ class CheckpointManager:
                 self.root.mkdir(parents=True, exist_ok=True)
             self._remove_incomplete()
         self._barrier()
+        if self._remote is None and self._group is not None:
+            self._check_shared()
+
+    def _check_shared(self) -> None:
+        """Every rank sees a file rank 0 wrote under ``root``, or ``CheckpointStorageError``
+        on every rank (see the module doc)."""
+        marker = self.root / f".hp-shared-{self._broadcast(uuid.uuid4().hex)}"
+        if _rank() == 0:
+            marker.write_text(_host())
+        self._barrier()
+        blind = self._ranks_without(marker.is_file())
+        if _rank() == 0:
+            marker.unlink(missing_ok=True)
+        if blind:
+            raise CheckpointStorageError(
+                f"checkpoint.dir {self.root} is not shared between the job's nodes: {blind} cannot see what rank 0 "
+                "writes there; use a directory every node mounts (a shared volume) or an object "
+                "store URL (s3://, gs://)"
+            )
+
+    def _ranks_without(self, ok: bool) -> str | None:
+        """Collective: the ranks whose ``ok`` is false, with their hosts (``rank 1 (on node-b)``),
+        or None when every rank's is true."""
+        if self._group is None:
+            return None if ok else f"rank 0 (on {_host()})"
+        seen = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(seen, (ok, _host()), group=self._group)
+        blind = [f"rank {r} (on {host})" for r, (fine, host) in enumerate(seen) if not fine]
+        return ", ".join(blind) or None
+
+    def latest_step(self) -> int | None:
+        """Collective: the step of the latest committed checkpoint as rank 0 sees it, which every
+        rank must see too (``CheckpointStorageError`` otherwise): the ranks of a resuming job all
+        load it or all start fresh."""
+        info = self.latest() if _rank() == 0 or self._group is None else None
+        step = self._broadcast(None if info is None else info["step"])
+        if step is not None and self._remote is None:
+            blind = self._ranks_without((self.root / f"step-{step:08d}" / MANIFEST).is_file())
+            if blind:
+                raise CheckpointStorageError(
+                    f"rank 0 resumes from step {step} under {self.root}, but {blind} cannot see that checkpoint: "
+                    "checkpoint.dir is not shared between the job's nodes"
+                )
+        return step
 
     # ---- queries --------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -253,33 +335,56 @@ class CheckpointManager:
             self._remove_incomplete()
             tmp.mkdir(parents=True)
         self._barrier()
+        writer = _RecordingWriter(str(tmp))
         with single_process_quiet(self._group is None):
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group, no_dist=self._group is None)
+            dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=self._group is None)
         (tmp / "extra").mkdir(exist_ok=True)
-        torch.save(extra, tmp / "extra" / f"rank-{_rank()}.pt")
-        self._barrier()  # every rank's files are complete
+        extra_name = f"extra/rank-{_rank()}.pt"
+        torch.save(extra, tmp / extra_name)
+        mine = [_describe_file(tmp, name, _rank()) for name in [*writer.written, extra_name]]
+        if _rank() == 0:
+            mine.append(_describe_file(tmp, ".metadata", 0))
+        files = self._gather(mine)  # every rank's files are complete
         if self._before_commit is not None:
             self._before_commit()
+        problem = None
         if _rank() == 0:
-            files = sorted(p for p in tmp.rglob("*") if p.is_file())
-            manifest = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "time": time.time(),
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "metrics": metrics,
-                "files": [
-                    {"name": str(p.relative_to(tmp)), "size": p.stat().st_size, "sha256": _sha256(p)} for p in files
-                ],
-            }
-            partial = tmp / (MANIFEST + ".part")
-            partial.write_text(json.dumps(manifest, indent=1))
-            os.replace(partial, tmp / MANIFEST)
-            if final.exists():  # re-saving a step replaces it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
-        self._barrier()
+            problem = _missing(tmp, files)
+            if problem is None:
+                manifest = {
+                    "format": FORMAT_VERSION,
+                    "step": step,
+                    "time": time.time(),
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "metrics": metrics,
+                    "files": sorted(files, key=lambda f: f["name"]),
+                }
+                partial = tmp / (MANIFEST + ".part")
+                partial.write_text(json.dumps(manifest, indent=1))
+                os.replace(partial, tmp / MANIFEST)
+                if final.exists():  # re-saving a step replaces it
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                self._prune()
+        problem = self._broadcast(problem)
+        if problem is not None:
+            raise CheckpointStorageError(f"checkpoint of step {step} not committed: {problem}")
+
+    def _gather(self, mine: list[dict]) -> list[dict]:
+        """Every rank's file list, on rank 0 (the others get theirs back)."""
+        if self._group is None:
+            return mine
+        lists = [None] * dist.get_world_size(self._group) if _rank() == 0 else None
+        dist.gather_object(mine, lists, dst=0, group=self._group)
+        return [f for part in lists for f in part] if _rank() == 0 else mine
+
+    def _broadcast(self, value):
+        """Rank 0's ``value`` on every rank."""
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
 
     def _write_and_commit_remote(self, step: int, state: dict, extra: dict, metrics: dict) -> None:
         """The object-store protocol: write under ``step-N/``, the manifest last (see ``_storage``)."""
@@ -364,6 +469,10 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         """Load into ``model`` (and ``optimizer``), resharding as needed; return this rank's ``extra``."""
         self.wait()
+        if step == "latest" and self._group is not None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no committed checkpoint under {self.root}")
         path = self.resolve(step)
         if self._remote is not None:
             name = self._remote.name_of(path)
@@ -400,6 +509,22 @@ def single_process_quiet(active: bool):
         if active:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def _missing(tmp: Path, files: list[dict]) -> str | None:
+    """Why the files the ranks say they wrote are not all at ``tmp`` with their sizes, or None."""
+    absent: dict[int, list[str]] = {}
+    for f in files:
+        p = tmp / f["name"]
+        if not p.is_file() or p.stat().st_size != f["size"]:
+            absent.setdefault(f["rank"], []).append(f["name"])
+    if not absent:
+        return None
+    parts = [f"rank {r}'s {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for r, names in sorted(absent.items())]
+    return (
+        f"{'; '.join(parts)} missing at rank 0's {tmp} (on {_host()}): the checkpoint directory is not one storage "
+        "for every rank (node-local disks?)"
+    )
 
 
 def verify_files(path: Path, *, checksums: bool = False) -> dict:

@@ -402,7 +402,7 @@ class Trainer:
     def _resume(self, resume_from: str) -> None:
         """Continue exactly where a checkpoint left off: model, optimizer, schedule, RNG, data step."""
         if resume_from == "latest":
-            if self.checkpoints.latest() is None:
+            if self.checkpoints.latest_step() is None:  # rank 0's answer, checked on every rank
                 log.info(
                     "resume_from: latest, but no checkpoint under %s yet: starting fresh", self.spec.checkpoint.dir
                 )

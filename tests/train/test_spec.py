@@ -167,3 +167,30 @@ def test_every_field_is_described_and_docs_jobspec_is_current(capsys):
 
 def _helps(sub) -> set[str]:
     return {a.dest for a in sub._choices_actions if a.help}
+
+
+def test_a_runs_outputs_are_absolute_paths_where_the_run_is_decided(tmp_path, monkeypatch):
+    """Relative output dirs would mean each node's own working directory (a multi-node job's
+    ranks would then write to different disks): with_run makes them absolute; URLs stay."""
+    monkeypatch.chdir(tmp_path)
+    spec = parse_job({"name": "rel", "metrics": {"dir": "runs"}}).with_run("rel-1")
+    assert spec.metrics.dir == str(tmp_path / "runs")
+    assert spec.checkpoint.dir == str(tmp_path / "runs" / "rel-1" / "checkpoints")
+    explicit = parse_job({"name": "rel", "checkpoint": {"dir": "ckpt"}}).with_run("rel-2")
+    assert explicit.checkpoint.dir == str(tmp_path / "ckpt")
+    remote = parse_job({"name": "rel", "checkpoint": {"dir": "s3://bucket/x"}, "metrics": {"dir": "memory://m"}})
+    remote = remote.with_run("rel-3")
+    assert remote.checkpoint.dir == "s3://bucket/x" and remote.metrics.dir == "memory://m"
+
+
+def test_gloo_binds_to_the_interface_of_the_nodes_address():
+    import socket
+    import sys
+
+    from hpservice.launch import socket_interface
+
+    if sys.platform == "linux":
+        assert socket_interface("127.0.0.1") == "lo"
+    assert socket_interface("203.0.113.254") is None  # TEST-NET: no interface of this machine has it
+    hostname_ip = socket.gethostbyname(socket.gethostname())
+    assert socket_interface(hostname_ip) in ({n for _, n in socket.if_nameindex()} | {None})
