@@ -117,6 +117,8 @@ class Supervisor:
                 continue
             request = self._requests.get(job["id"])
             if request is None:
+                if not self.store.is_started(job["id"]):
+                    continue  # requeued by an answer collected in this tick
                 self._ask(job)
             elif not request.overdue and now - request.issued > self.poll_timeout_s:
                 request.overdue = True
@@ -150,7 +152,11 @@ class Supervisor:
                     )
                 return
             self._waiting_announced.discard(job["id"])
-            self._handles[job["id"]] = start_job(spec, job_id=job["id"])
+            try:
+                self._handles[job["id"]] = start_job(spec, job_id=job["id"])
+            except ValueError as e:  # the name is still held by a coordinator Ray has not yet marked dead
+                log.warning("job %s not launched yet: %s", job["id"], e)
+                return
             self.store.mark_started(job["id"])
         self._last_launch = time.monotonic()
 
@@ -213,8 +219,12 @@ class Supervisor:
         try:
             update = ray.get(request.poll)
             lines = [line for line in ray.get(request.logs) if line["time"] > request.log_time]
+        except ray.exceptions.ActorUnavailableError:
+            return  # maybe for a moment (its node unreachable): asked again next tick; dead is ActorDiedError
         except ray.exceptions.RayActorError as e:
             with self._lock:
+                if self._handles.get(job_id) is not request.handle:
+                    return  # the answer of a coordinator already replaced
                 self._handles.pop(job_id, None)
             self._coordinator_lost(job_id, f"its coordinator died ({_first_line(e)})")
             return

@@ -179,16 +179,18 @@ def test_a_lost_node_is_replaced_by_a_new_one_without_spending_a_restart(ranks, 
 
 
 def test_the_supervisor_requeues_a_job_whose_coordinators_node_was_lost(tmp_path, monkeypatch):
-    """The operator lets coordinators run on the nodes with resource ``coord``; the node with the
-    job's coordinator dies; the server notices, requeues the job from its latest checkpoint (the
-    store has it) and the relaunched coordinator finishes it."""
+    """The operator lets coordinators run on the nodes with resource ``coord`` (two 1-CPU nodes,
+    too small for the job's 2-worker shard group, which runs on a third node); the node with the
+    job's coordinator dies; the server notices, requeues the job once from its latest checkpoint
+    (the store has it) and the relaunched coordinator finishes it on the same workers' node."""
     from hpservice.api.store import Store
     from hpservice.api.supervisor import Supervisor
 
     monkeypatch.setenv(COORDINATOR_RESOURCE_ENV, "coord")
     steps = 400
     job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 1})
-    with simulated_cluster({"num_cpus": 2, "resources": {"coord": 1}}, {"num_cpus": 2, "resources": {"coord": 1}}) as cluster:
+    coordinator_node = {"num_cpus": 1, "resources": {"coord": 1}}
+    with simulated_cluster(coordinator_node, coordinator_node, {"num_cpus": 2}) as cluster:
         store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
         supervisor = Supervisor(store, poll_interval_s=0.2)
         job_id = "requeued-0001"
@@ -198,10 +200,11 @@ def test_the_supervisor_requeues_a_job_whose_coordinators_node_was_lost(tmp_path
             _wait(lambda: (j := store.get_job(job_id))["checkpoints"] and j["state"] == "RUNNING", "checkpointed")
             node_id = JobHandle.attach(job_id).status()["coordinator_node"]
             cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)
-            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300)
+            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=240)
         finally:
             supervisor.stop()
     assert final["state"] == "SUCCEEDED", final
     messages = [h["message"] for h in final["history"]]
-    assert any(m.startswith("requeued: its coordinator died") and "resumes from its checkpoint of step" in m for m in messages), messages
+    requeued = [m for m in messages if m.startswith("requeued: its coordinator died")]
+    assert len(requeued) == 1 and "resumes from its checkpoint of step" in requeued[0], messages
     assert final["step"] == steps
