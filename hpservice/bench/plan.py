@@ -1,0 +1,304 @@
+"""``python -m hpservice.bench plan``: the numbers that matter past this machine, on paper.
+
+For a Llama flavor on ``--gpus`` GPUs (``--gpus-per-node`` each node) under a layout
+(``--tp``, ``--dp-shard``; ``dp_replicate`` is the rest), it computes per rank:
+
+- **memory**: the sharded fp32 parameters, gradients and AdamW's two moments as fully_shard lays
+  them out (each parameter's dim 0 split in ``ceil(n / dp_shard)`` rows, tensor parallelism's
+  dims first); the collective scratch (each unit's all-gather output and reduce-scatter input:
+  on CPU kept for every unit, on an accelerator freed after use); the unsharded parameters and gradients
+  held at the peak (the root, which stays gathered from its forward to the end of backward, and
+  two blocks); and the activations of one micro-batch (an estimate: what autograd keeps per
+  block, see ``block_activation_elements``), with or without full activation checkpointing;
+- **collectives per step** (one micro-batch): fully_shard's all-gathers (forward, and backward for
+  every unit that resharded), reduce-scatters, HSDP's all-reduce over the replicas, tensor
+  parallelism's per-block all-reduces; the bytes each rank sends (ring algorithms: all-gather and
+  reduce-scatter send ``(n-1)/n`` of the gathered size, all-reduce twice that) and the time they
+  take at the link they run on (inside a node: ``--nvlink-gbs``; across nodes: ``--ib-gbs``);
+- **checkpoint**: the bytes each rank writes (parameters and optimizer state, replicas written
+  once) and the time at ``--storage-gbs`` per rank;
+- the largest HSDP shard group that keeps the all-gathers inside a node (``gpus_per_node / tp``).
+
+The layout and byte counts are exact for hpservice's fully_shard (``tests/test_bench_plan.py``
+checks them against the tiny Llama on 4 CPU ranks: the tracked bytes of every rank's shards and
+the bytes handed to each collective); link times assume the stated bandwidth is reached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from hpservice.models.llama import LLAMA_FLAVORS, LlamaConfig
+
+# Tensor parallelism's plan for the built-in Llama (hpservice.parallel.apply_llama_tp): the dim
+# of each weight it shards. Norms stay replicated.
+_TP_DIM = {
+    "tok_embeddings.weight": 0,  # RowwiseParallel on an embedding: vocab rows
+    "output.weight": 0,  # ColwiseParallel: vocab rows
+    "attention.wq.weight": 0,
+    "attention.wk.weight": 0,
+    "attention.wv.weight": 0,
+    "attention.wo.weight": 1,
+    "feed_forward.w1.weight": 0,
+    "feed_forward.w3.weight": 0,
+    "feed_forward.w2.weight": 1,
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpus: int
+    gpus_per_node: int
+    tp: int
+    dp_shard: int
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.gpus // (self.tp * self.dp_shard)
+
+    def check(self) -> None:
+        if self.gpus % (self.tp * self.dp_shard):
+            raise SystemExit(f"plan: --gpus {self.gpus} is not divisible by tp x dp_shard = {self.tp * self.dp_shard}")
+
+
+@dataclass(frozen=True)
+class Links:
+    nvlink_gbs: float  # GB/s per GPU inside a node
+    ib_gbs: float  # GB/s per GPU across nodes
+    storage_gbs: float  # GB/s of checkpoint writes per rank
+
+
+def parameter_shapes(config: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of the model (a tied head once), built on the meta device."""
+    import torch
+
+    from hpservice.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(config)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def unit_of(name: str) -> str:
+    """The fully_shard unit a parameter belongs to: its block (``layers.3``), else the root."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else "root"
+
+
+def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    suffix = name.split(".", 2)[2] if name.startswith("layers.") else name
+    dim = _TP_DIM.get(suffix)
+    if dim is None or tp == 1:
+        return shape
+    return shape[:dim] + (math.ceil(shape[dim] / tp),) + shape[dim + 1 :]
+
+
+def _rows(n: int, shards: int, rank: int) -> tuple[int, int]:
+    """(padded rows, real rows) of ``rank``'s dim-0 chunk of ``n`` rows over ``shards``."""
+    chunk = math.ceil(n / shards)
+    return chunk, max(0, min(chunk, n - rank * chunk))
+
+
+def shard_layout(config: LlamaConfig, layout: Layout, rank: int = 0) -> dict[str, dict[str, int]]:
+    """Per fully_shard unit: ``padded`` (the rank's flat shard, elements: the all-gather input),
+    ``local`` (its real elements: what AdamW keeps state for) and ``unsharded`` (the padded
+    gathered size, ``dp_shard`` x padded: the all-gather output)."""
+    units: dict[str, dict[str, int]] = {}
+    for name, shape in parameter_shapes(config):
+        local_shape = _tp_local(name, shape, layout.tp)
+        rest = math.prod(local_shape[1:])
+        padded_rows, real_rows = _rows(local_shape[0], layout.dp_shard, rank)
+        u = units.setdefault(unit_of(name), {"padded": 0, "local": 0, "unsharded": 0})
+        u["padded"] += padded_rows * rest
+        u["local"] += real_rows * rest
+        u["unsharded"] += padded_rows * rest * layout.dp_shard
+    return units
+
+
+def block_activation_elements(config: LlamaConfig, tokens: int, tp: int) -> int:
+    """What autograd keeps of one block's forward for a rank's ``tokens`` (an estimate, per
+    element kind): the two norms' inputs and outputs (4h), q/k/v after rotary (h + 2 h_kv), the
+    attention output (h), and SwiGLU's w1 and w3 outputs, silu's output and the product (4f).
+    Everything but the norms is split by tensor parallelism (with sequence parallelism, all of it)."""
+    h, f = config.dim, config.ffn_hidden_dim
+    kv = config.n_kv_heads * config.head_dim
+    return tokens * (4 * h + (h + 2 * kv + h + 4 * f) // tp)
+
+
+def _ring(kind: str, n: int, nbytes: float) -> float:
+    """Bytes one rank sends in a ring ``kind`` over ``n`` ranks whose full result is ``nbytes``."""
+    if n <= 1:
+        return 0.0
+    return nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
+
+
+def plan(
+    config: LlamaConfig,
+    layout: Layout,
+    links: Links,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    param_bytes: int = 2,
+    reduce_bytes: int = 4,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+    device: str = "cuda",
+) -> dict:
+    """Everything the module doc lists, for rank 0 (the rank with the largest shards)."""
+    layout.check()
+    units = shard_layout(config, layout)
+    blocks = [u for u in units if u != "root"]
+    fp32 = 4
+    padded = sum(u["padded"] for u in units.values())
+    local = sum(u["local"] for u in units.values())
+    unsharded = sum(u["unsharded"] for u in units.values())
+    # held unsharded at the peak: the root (gathered at its pre-forward, resharded after the whole
+    # backward) and two blocks (the current one and the prefetched one)
+    largest_block = max((units[u]["unsharded"] for u in blocks), default=0)
+    working = units["root"]["unsharded"] + 2 * largest_block
+    largest_unit = max(u["unsharded"] for u in units.values())
+    tokens = seq_len * micro_batch
+    block_acts = block_activation_elements(config, tokens, layout.tp)
+    act_bytes = param_bytes
+    if activation_checkpointing:  # each block keeps its input; one block's activations while it recomputes
+        activations = config.n_layers * tokens * config.dim * act_bytes + block_acts * act_bytes
+    else:
+        activations = config.n_layers * block_acts * act_bytes
+    memory = {
+        "params": padded * fp32,  # flat_shard: fp32 shards, padded
+        "grads": padded * fp32,  # grad_flat
+        "optimizer": 2 * local * fp32,  # AdamW's exp_avg and exp_avg_sq, of the real elements
+        # ag_out and rs_in (the gathered size in param and reduce dtype), rs_out, and ag_in when
+        # mixed precision casts: on CPU fully_shard keeps every unit's allocated across steps; on
+        # an accelerator it frees ag_out and rs_in after use (at most two units' at once, a bound)
+        "collective_scratch": (unsharded if device == "cpu" else 2 * largest_unit) * (param_bytes + reduce_bytes)
+        + padded * (reduce_bytes + (param_bytes if param_bytes != fp32 else 0)),
+        "unsharded_params": working * param_bytes,
+        "unsharded_grads": working * param_bytes,
+        "activations": activations,
+        "logits": 2 * tokens * math.ceil(config.vocab_size / layout.tp) * fp32,  # fp32 logits and their gradient
+    }
+    memory["total"] = sum(memory.values())
+
+    shard_group = layout.dp_shard * layout.tp
+    inside = shard_group <= layout.gpus_per_node
+    regathered = blocks[:-1] if reshard_after_forward else []  # the last block and the root keep theirs
+    gathered = unsharded * param_bytes
+    collectives = {
+        "fsdp_all_gather": {
+            "bytes": gathered + sum(units[u]["unsharded"] for u in regathered) * param_bytes,
+            "group": layout.dp_shard,
+            "link": "nvlink" if inside else "ib",
+            "kind": "all_gather",
+        },
+        "fsdp_reduce_scatter": {
+            "bytes": unsharded * reduce_bytes,
+            "group": layout.dp_shard,
+            "link": "nvlink" if inside else "ib",
+            "kind": "reduce_scatter",
+        },
+        "hsdp_all_reduce": {
+            "bytes": padded * reduce_bytes,
+            "group": layout.dp_replicate,
+            "link": "nvlink" if layout.gpus <= layout.gpus_per_node else "ib",
+            "kind": "all_reduce",
+        },
+        # per block 2 forward + 2 backward all-reduces of the residual stream, and one each for
+        # the embedding (forward) and the head's input gradient (backward)
+        "tp_all_reduce": {
+            "bytes": (4 * config.n_layers + 2) * tokens * config.dim * act_bytes,
+            "group": layout.tp,
+            "link": "nvlink" if layout.tp <= layout.gpus_per_node else "ib",
+            "kind": "all_reduce",
+        },
+    }
+    for c in collectives.values():
+        if c["group"] <= 1:
+            c["bytes"] = 0
+        c["sent_bytes"] = _ring(c["kind"], c["group"], c["bytes"])
+        bandwidth = links.nvlink_gbs if c["link"] == "nvlink" else links.ib_gbs
+        c["seconds"] = c["sent_bytes"] / (bandwidth * 1e9)
+    checkpoint_bytes = (local * fp32 + 2 * local * fp32) / layout.dp_replicate  # replicas write their shard once
+    return {
+        "model": {"params": sum(math.prod(s) for _, s in parameter_shapes(config)), "n_layers": config.n_layers},
+        "layout": {**asdict(layout), "dp_replicate": layout.dp_replicate, "shard_group": shard_group},
+        "links": asdict(links),
+        "memory_bytes": memory,
+        "collectives": collectives,
+        "comm_seconds_per_step": sum(c["seconds"] for c in collectives.values()),
+        "checkpoint": {
+            "bytes_per_rank": checkpoint_bytes,
+            "total_bytes": sum(math.prod(s) for _, s in parameter_shapes(config)) * 3 * fp32,
+            "save_seconds": checkpoint_bytes / (links.storage_gbs * 1e9),
+        },
+        "node_local_shard_size": max(1, layout.gpus_per_node // layout.tp),
+        "shard_group_inside_node": inside,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def report(result: dict) -> str:
+    lay, mem = result["layout"], result["memory_bytes"]
+    lines = [
+        f"model: {result['model']['params'] / 1e9:.2f}B parameters, {result['model']['n_layers']} blocks",
+        f"layout: {lay['gpus']} GPUs ({lay['gpus_per_node']} per node) = dp_replicate {lay['dp_replicate']} x "
+        f"dp_shard {lay['dp_shard']} x tp {lay['tp']}; shard group {lay['shard_group']} ranks "
+        f"({'inside a node' if result['shard_group_inside_node'] else 'SPANS NODES'}); the largest HSDP shard "
+        f"group inside a node: dp_shard {result['node_local_shard_size']}",
+        "memory per rank:",
+        *(f"  {k:<16}{_gib(v):>14}" for k, v in mem.items()),
+        "collectives per step (per rank):",
+    ]
+    for name, c in result["collectives"].items():
+        lines.append(
+            f"  {name:<20} {_gib(c['bytes']):>12} gathered/reduced, {_gib(c['sent_bytes']):>12} sent over "
+            f"{c['group']} ranks on {c['link']}: {c['seconds'] * 1e3:,.1f} ms"
+        )
+    lines.append(f"  total communication {result['comm_seconds_per_step'] * 1e3:,.1f} ms per step (if none overlaps)")
+    ck = result["checkpoint"]
+    lines.append(
+        f"checkpoint: {_gib(ck['total_bytes'])} in all, {_gib(ck['bytes_per_rank'])} per rank, "
+        f"{ck['save_seconds']:,.1f} s per save at {result['links']['storage_gbs']:g} GB/s per rank"
+    )
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="per-rank memory, collective bytes and times, checkpoint size, on paper")
+    p.add_argument("--model", default="8B", choices=sorted(LLAMA_FLAVORS), help="a built-in Llama flavor")
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp-shard", type=int, default=None, help="default: gpus_per_node / tp (HSDP inside a node)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--param-bytes", type=int, default=2, help="compute dtype bytes (bf16: 2)")
+    p.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the ranks run")
+    p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU inside a node (H100 NVLink: 450)")
+    p.add_argument("--ib-gbs", type=float, default=50.0, help="GB/s per GPU across nodes (400 Gb/s NDR: 50)")
+    p.add_argument("--storage-gbs", type=float, default=2.0, help="checkpoint write GB/s per rank")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    dp_shard = args.dp_shard or max(1, min(args.gpus, args.gpus_per_node) // args.tp)
+    result = plan(
+        LLAMA_FLAVORS[args.model],
+        Layout(args.gpus, args.gpus_per_node, args.tp, dp_shard),
+        Links(args.nvlink_gbs, args.ib_gbs, args.storage_gbs),
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        param_bytes=args.param_bytes,
+        activation_checkpointing=args.ac == "full",
+        device=args.device,
+    )
+    print(json.dumps(result, indent=1) if args.json else report(result))
+    return 0

@@ -1,0 +1,108 @@
+"""bench plan, checked against what hpservice's fully_shard really holds and sends: the tiny Llama
+on 4 CPU ranks (dp_shard 4, and dp_replicate 2 x dp_shard 2), one training step. Every byte count
+the plan gives for a rank must equal the measured one; its link times are arithmetic on top."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpservice.bench.plan import Layout, Links, plan
+from hpservice.models.llama import LLAMA_FLAVORS
+
+LINKS = Links(nvlink_gbs=450, ib_gbs=50, storage_gbs=2)
+
+
+def _one_step_measured(dp_replicate):
+    import torch.distributed as dist
+
+    import hpservice.fsdp._fsdp_param_group as pg
+    from hpservice.dtensor import DTensor, init_device_mesh
+    from hpservice.models.llama import Llama
+    from hpservice.spec import parse_job
+    from hpservice.train._trainer import apply_fsdp
+
+    cfg = LLAMA_FLAVORS["tiny"]
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    world = dist.get_world_size()
+    if dp_replicate > 1:
+        mesh = init_device_mesh("cpu", (dp_replicate, world // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    apply_fsdp(model, mesh, parse_job({"name": "plan"}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sent = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    originals = {name: getattr(pg, name) for name in ("all_gather_flat", "reduce_scatter_flat", "all_reduce_flat")}
+
+    def counting(kind, fn, tensor_arg):
+        def wrapper(*args, **kwargs):
+            t = args[tensor_arg]
+            sent[kind] += t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    pg.all_gather_flat = counting("all_gather", originals["all_gather_flat"], 1)  # the gathered output
+    pg.reduce_scatter_flat = counting("reduce_scatter", originals["reduce_scatter_flat"], 0)  # the full input
+    pg.all_reduce_flat = counting("all_reduce", originals["all_reduce_flat"], 0)
+    try:
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+        opt.step()
+    finally:
+        for name, fn in originals.items():
+            setattr(pg, name, fn)
+    groups = [m._fsdp_state.group for m in model.modules() if getattr(m, "_fsdp_state", None) is not None]
+    nbytes = lambda t: t.untyped_storage().nbytes()  # noqa: E731
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    held = {
+        "params": sum(nbytes(g.flat_shard) for g in groups),
+        "grads": sum(nbytes(g.grad_flat) for g in groups),
+        "optimizer": sum(
+            local(v).numel() * local(v).element_size() for s in opt.state.values() for k, v in s.items() if k != "step"
+        ),
+        "collective_scratch": sum(
+            nbytes(g.ag_out) + nbytes(g.rs_in) + nbytes(g.rs_out) + (nbytes(g.ag_in) if g.ag_in is not g.flat_shard else 0)
+            for g in groups
+        ),
+    }
+    return held, sent
+
+
+@pytest.mark.parametrize("dp_replicate", [1, 2])
+def test_the_plan_gives_the_bytes_fully_shard_holds_and_sends(ranks, dp_replicate):
+    measured = ranks(4).run(_one_step_measured, dp_replicate)
+    layout = Layout(gpus=4, gpus_per_node=4, tp=1, dp_shard=4 // dp_replicate)
+    result = plan(LLAMA_FLAVORS["tiny"], layout, LINKS, seq_len=16, micro_batch=2, param_bytes=4, device="cpu")
+    held, sent = measured[0]  # rank 0 holds the largest shards (the plan's rank)
+    for key, value in held.items():
+        assert result["memory_bytes"][key] == value, (key, result["memory_bytes"][key], value)
+    c = result["collectives"]
+    assert c["fsdp_all_gather"]["bytes"] == sent["all_gather"]
+    assert c["fsdp_reduce_scatter"]["bytes"] == sent["reduce_scatter"]
+    assert c["hsdp_all_reduce"]["bytes"] == sent["all_reduce"]
+    assert all(s == sent for _, s in measured)  # every rank sends the same
+
+
+def test_bench_plan_prints_the_8b_layout_and_json():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpservice.bench", "plan", "--model", "8B", "--gpus", "64", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["layout"] == {
+        "gpus": 64, "gpus_per_node": 8, "tp": 1, "dp_shard": 8, "dp_replicate": 8, "shard_group": 8,
+    }  # fmt: skip
+    assert 8.0e9 < result["model"]["params"] < 8.1e9 and result["shard_group_inside_node"]
+    assert result["collectives"]["fsdp_all_gather"]["link"] == "nvlink"
+    assert result["collectives"]["hsdp_all_reduce"]["link"] == "ib"
+    # 12 bytes per parameter (fp32 weights and AdamW's two moments), each replica written once
+    assert result["checkpoint"]["total_bytes"] == 12 * result["model"]["params"]
