@@ -190,6 +190,26 @@ def test_audit_13_buffers_are_reused(ranks):
     ranks(2).run(_check_audit_13_persistent_buffers)
 
 
+def _check_scratch_freed_after_use(mesh_shape):
+    """The accelerator policy (run here on CPU): the all-gather output and reduce-scatter input
+    hold no memory between uses, and training is unchanged."""
+    torch.manual_seed(0)
+    base = MLP()
+    ref, ref_losses = reference_run(base, STEPS, dist.get_world_size())
+    model = _wrap(copy.deepcopy(base), _mesh(mesh_shape))
+    groups = [s.group for s in model._fsdp_states(True)]
+    for g in groups:
+        g.keep_scratch = False
+    _assert_matches(model, ref, sharded_run(model, STEPS), ref_losses)
+    assert all(g.ag_out.untyped_storage().size() == 0 and g.rs_in.untyped_storage().size() == 0 for g in groups)
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp2", "hsdp2x2"])
+def test_collective_scratch_is_freed_after_use_on_accelerators(ranks, mesh_shape):
+    ranks(4 if len(mesh_shape) == 2 else 2).run(_check_scratch_freed_after_use, mesh_shape)
+
+
 def _check_offload_and_clip():
     torch.manual_seed(0)
     base = MLP()
