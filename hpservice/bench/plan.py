@@ -159,7 +159,7 @@ def plan(
     # backward) and two blocks (the current one and the prefetched one)
     largest_block = max((units[u]["unsharded"] for u in blocks), default=0)
     working = units["root"]["unsharded"] + 2 * largest_block
-    largest_unit = max(u["unsharded"] for u in units.values())
+    two_largest = sum(sorted((u["unsharded"] for u in units.values()), reverse=True)[:2])
     tokens = seq_len * micro_batch
     block_acts = block_activation_elements(config, tokens, layout.tp)
     act_bytes = param_bytes
@@ -173,8 +173,8 @@ def plan(
         "optimizer": 2 * local * fp32,  # AdamW's exp_avg and exp_avg_sq, of the real elements
         # ag_out and rs_in (the gathered size in param and reduce dtype), rs_out, and ag_in when
         # mixed precision casts: on CPU fully_shard keeps every unit's allocated across steps; on
-        # an accelerator it frees ag_out and rs_in after use (at most two units' at once, a bound)
-        "collective_scratch": (unsharded if device == "cpu" else 2 * largest_unit) * (param_bytes + reduce_bytes)
+        # an accelerator it frees ag_out and rs_in after use (at most two units' at once: a bound)
+        "collective_scratch": (unsharded if device == "cpu" else two_largest) * (param_bytes + reduce_bytes)
         + padded * (reduce_bytes + (param_bytes if param_bytes != fp32 else 0)),
         "unsharded_params": working * param_bytes,
         "unsharded_grads": working * param_bytes,
