@@ -105,19 +105,26 @@ class Coordinator:
         self._node_losses: list[dict] = []
         self._stop_sent_at: float | None = None
         self._first_step: int | None = None  # the step this attempt started from
+        self._size = self.spec.resources.workers  # workers now (fewer after an elastic shrink)
+        self._resizes: list[dict] = []
+        self._grow = False  # the next restart grows back to resources.workers
+        self._room_seen_at: float | None = None  # when room for every worker was first seen while shrunk
+        self._room_checked_at = 0.0
         self._step = 0
         self._gauges = self._make_gauges()
         self._node_id = ray.get_runtime_context().get_node_id()  # where supervision runs (the head by default)
 
     # ---- state ------------------------------------------------------------------------------
-    def _set_state(self, state: str, message: str = "") -> None:
+    def _set_state(self, state: str, message: str = "", **details) -> None:
+        """Move to ``state`` (one of ``TRANSITIONS``' moves) with ``message``; ``details`` (e.g.
+        ``resize``) go into the history entry as they are, for clients that act on them."""
         state = JobState(state)  # one of the vocabulary's, or ValueError
         with self._lock:
             current = getattr(self, "state", None)
             if current is not None and not current.can_become(state):
                 raise RuntimeError(f"job {self.job_id}: no transition {current} -> {state} ({message})")
             self.state = state
-            self._history.append({"state": state, "time": time.time(), "message": message})
+            self._history.append({"state": state, "time": time.time(), "message": message, **details})
 
     def status(self) -> dict:
         with self._lock:
@@ -133,6 +140,8 @@ class Coordinator:
                 "restart_reasons": [r["reason"] for r in self._restarts],
                 "node_losses": list(self._node_losses),
                 "placement": list(self._placement),
+                "workers": self._size,
+                "resizes": list(self._resizes),
                 "coordinator_node": self._node_id,
                 "checkpoints": list(self._checkpoints),
                 "metrics_dropped": self._dropped,
@@ -234,8 +243,7 @@ class Coordinator:
         why = cluster_fit(self.spec, self._gpus)
         if why is not None:
             return JobState.FAILED, why
-        self._plan = placement.plan_placement(self.spec, self._gpus)
-        if not self._reserve(wait_s=None):
+        if not self._reserve(r.workers, wait_s=None, waiting="waiting for resources"):
             return JobState.CANCELLED, "cancelled while queued"
         return JobState.STARTING, "attempt 1"
 
@@ -243,26 +251,85 @@ class Coordinator:
         return self._start_attempt(resume=False)
 
     def _restarting(self) -> tuple[JobState, str]:
-        """After a failure: for a lost node, a new placement group on the live nodes (waiting
-        up to ``failure.capacity_wait_s`` for room); else the policy's back-off. Then the next
-        attempt, from the latest checkpoint."""
+        """After a failure: for a lost node, a new placement group on the live nodes (waiting up
+        to ``failure.capacity_wait_s`` for room, then shrinking to an elastic size that fits);
+        for a grow, the placement group of every worker; else the policy's back-off. Then the
+        next attempt, from the latest checkpoint."""
         lost, self._lost_nodes = self._lost_nodes, ()
-        if lost:
-            known = nodes.nodes()
-            names = ", ".join(nodes.describe(n, known) for n in lost)
-            nodes.wait_marked_dead(lost, timeout_s=self.NODE_DEATH_WAIT_S)
-            remove_placement_group(self._pg)
-            self._pg = None
-            wait_s = self.spec.failure.capacity_wait_s
-            if not self._reserve(wait_s=wait_s, lost=names):
-                if self._stop_requested:
-                    return JobState.CANCELLED, f"cancelled while waiting for capacity ({names} lost)"
-                need = f"{self._plan.workers} workers x {self._plan.worker}"
-                return JobState.FAILED, f"{names} lost; no room for {need} on the live nodes within {wait_s:g} s"
+        grow, self._grow = self._grow, False
+        if grow:
+            ended = self._grow_back()
+        elif lost:
+            ended = self._replace_lost(lost)
         else:
             time.sleep(self._policy.backoff_s(len(self._restarts)))
+            ended = None
+        if ended is not None:
+            return ended
         self._attempt += 1
         return self._start_attempt(resume=True)
+
+    def _replace_lost(self, lost: tuple[str, ...]) -> tuple[JobState, str] | None:
+        """Place the workers again without the lost nodes; a terminal (state, message) if not."""
+        known = nodes.nodes()
+        names = ", ".join(nodes.describe(n, known) for n in lost)
+        nodes.wait_marked_dead(lost, timeout_s=self.NODE_DEATH_WAIT_S)
+        self._release()
+        wait_s = self.spec.failure.capacity_wait_s
+        if self._reserve(self._size, wait_s=wait_s, waiting=f"waiting for capacity: {names} lost; need"):
+            return None
+        if self._stop_requested:
+            return JobState.CANCELLED, f"cancelled while waiting for capacity ({names} lost)"
+        for n in self.spec.elastic_sizes():
+            if n < self._size and self._reserve(n, wait_s=POLL_S * 4):  # room for n now, or try fewer
+                self._resized(n, f"{names} lost and no room for {self._size} workers within {wait_s:g} s")
+                return None
+        need = f"{self._size} workers x {placement.worker_resources(self.spec, self._gpus)}"
+        fewer = f" (nor for min_workers {self.spec.resources.min_workers})" if self.spec.resources.min_workers else ""
+        return JobState.FAILED, f"{names} lost; no room for {need} on the live nodes within {wait_s:g} s{fewer}"
+
+    def _grow_back(self) -> tuple[JobState, str] | None:
+        """Stop the shrunk attempt (it has just checkpointed) and place every worker again; if
+        the room is gone meanwhile, go on at the size it had."""
+        old, full = self._size, self.spec.resources.workers
+        self._kill_workers()
+        self._release()
+        wait_s = self.spec.failure.capacity_wait_s
+        if self._reserve(full, wait_s=wait_s, waiting="growing back: waiting for room for"):
+            self._resized(full, "room for every worker is back")
+            return None
+        if not self._stop_requested and self._reserve(old, wait_s=wait_s, waiting="the room went away: waiting for"):
+            return None
+        if self._stop_requested:
+            return JobState.CANCELLED, "cancelled while growing back"
+        return JobState.FAILED, f"no room for {full} workers, nor for {old} again, within {wait_s:g} s"
+
+    def _resized(self, workers: int, reason: str) -> None:
+        old, self._size = self._size, workers
+        self._room_seen_at = None
+        spec = self.spec.resized(workers)
+        resize = {"from": old, "to": workers, "reason": reason, "grad_accum": spec.training.grad_accum}
+        self._resizes.append({"time": time.time(), **resize})
+        message = f"resized {old} -> {workers} workers: {reason} (global batch {spec.data.global_batch}, "
+        self._set_state(self.state, message + f"grad_accum {spec.training.grad_accum})", resize=resize)
+
+    def _grow_ready(self) -> bool:
+        """While shrunk: True once room for every worker has come back and a checkpoint was
+        committed after that (the grow resumes from it). Checked every 2 s."""
+        if self._size >= self.spec.resources.workers or time.monotonic() - self._room_checked_at < 2.0:
+            return False
+        self._room_checked_at = time.monotonic()
+        if self._room_seen_at is None:
+            missing = self.spec.resources.workers - self._size
+            one = placement.worker_resources(self.spec, self._gpus)
+            free = ray.available_resources()
+            full = placement.plan_placement(self.spec, self._gpus)
+            room = all(free.get(k, 0) + 1e-9 >= v * missing for k, v in one.items())
+            if room and placement.infeasible(full, nodes.alive_resources(), self.spec) is None:
+                self._room_seen_at = time.time()
+            return False
+        with self._lock:
+            return any(c["time"] > self._room_seen_at for c in self._checkpoints)
 
     def _start_attempt(self, resume: bool) -> tuple[JobState, str]:
         try:
@@ -297,31 +364,31 @@ class Coordinator:
     # ---- the work of the states ---------------------------------------------------------------
     NODE_DEATH_WAIT_S = 60.0  # for Ray to mark a lost node dead before placing anything again
 
-    def _reserve(self, wait_s: float | None, lost: str | None = None) -> bool:
-        """Create the placement group and wait until it is placed: forever (``wait_s`` None) or
-        ``wait_s`` seconds; False if a stop came first or the time ran out. The wait is said in
-        the job's message once."""
-        r = self.spec.resources
-        self._pg = placement_group(
-            [dict(b) for b in self._plan.bundles], strategy=self._plan.strategy, name=f"hp:{self.job_id}"
-        )
+    def _reserve(self, workers: int, wait_s: float | None, waiting: str | None = None) -> bool:
+        """The placement group of ``workers`` workers, placed: waiting forever (``wait_s`` None)
+        or ``wait_s`` seconds; False if a stop came first or the time ran out. ``waiting`` is
+        said in the job's message once, if it has to wait."""
+        plan = placement.plan_placement(self.spec.resized(workers), self._gpus)
+        pg = placement_group([dict(b) for b in plan.bundles], strategy=plan.strategy, name=f"hp:{self.job_id}")
         deadline = None if wait_s is None else time.monotonic() + wait_s
         announced = False
-        while not self._wait_ready(self._pg):
+        while not self._wait_ready(pg):
             if self._stop_requested or (deadline is not None and time.monotonic() > deadline):
-                remove_placement_group(self._pg)
-                self._pg = None
+                remove_placement_group(pg)
                 return False
-            if not announced:
+            if waiting is not None and not announced:
                 announced = True
-                what = f"{r.workers} x {self._plan.worker}" + (
-                    f" in groups of {self._plan.group_size} per node" if self._plan.group_size > 1 else ""
+                what = f"{workers} x {plan.worker}" + (
+                    f" in groups of {plan.group_size} per node" if plan.group_size > 1 else ""
                 )
-                if lost is None:
-                    self._set_state(JobState.QUEUED, f"waiting for resources: {what}")
-                else:
-                    self._set_state(JobState.RESTARTING, f"waiting for capacity: {lost} lost; need {what}")
+                self._set_state(self.state, f"{waiting} {what}")
+        self._pg, self._plan = pg, plan
         return True
+
+    def _release(self) -> None:
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
 
     def _wait_ready(self, pg) -> bool:
         ready, _ = ray.wait([pg.ready()], timeout=POLL_S * 4)
@@ -330,7 +397,7 @@ class Coordinator:
     def _start_workers(self, resume: bool) -> str:
         """Start one worker per rank in its bundle, rendezvous at rank 0's address; returns the
         RUNNING message. Raises ``_Failure``."""
-        spec = self.spec
+        spec = self.spec.resized(self._size)
         attempt_json = attempt_spec(spec, resume, self._gpus).model_dump_json(by_alias=True)
         n = spec.resources.workers
         self._workers = [
@@ -353,6 +420,7 @@ class Coordinator:
             raise self._classify(f"workers failed to start: {type(e).__name__}: {_short(e)}") from None
         self._stop_sent_at = None
         self._first_step = None
+        self._room_seen_at = None
         return f"{n} workers on {len({a.node_id for a in addresses})} node(s), rendezvous {master_addr}:{master_port}"
 
     def _record_placement(self, addresses) -> None:
@@ -416,6 +484,11 @@ class Coordinator:
                 self._dump_stacks()
                 what = f"before the first step of attempt (startup_timeout_s {limit:g})" if starting else f"after step {step}"
                 raise _Failure(f"hang: no progress for {stalled:.0f} s {what} (stacks in the log)")
+            if self._grow_ready():
+                self._grow = True
+                latest = max(c["step"] for c in self.checkpoints())
+                full = self.spec.resources.workers
+                return JobState.RESTARTING, f"growing {self._size} -> {full} workers: room is back; from step {latest}"
 
     def _dump_stacks(self) -> None:
         for rank, w in enumerate(self._workers):
@@ -432,9 +505,7 @@ class Coordinator:
 
     def _teardown(self) -> None:
         self._kill_workers()
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        self._release()
 
     def _make_gauges(self) -> dict:
         from ray.util.metrics import Gauge

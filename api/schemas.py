@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+
+class Resize(BaseModel):
+    """An elastic resize of the worker group."""
+
+    to: int
+    from_: int = Field(alias="from")
+    reason: str
+    grad_accum: int  # the attempt's gradient accumulation (the global batch stays)
 
 
 class HistoryEntry(BaseModel):
     state: str
     time: float
     message: str = ""
+    resize: Resize | None = None
 
 
 class RankPlacement(BaseModel):

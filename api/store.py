@@ -258,7 +258,8 @@ class Store:
             old_checkpoints = {c["step"] for c in json.loads(row.checkpoints_json)}
             history = json.loads(row.history_json)
             seen = {(h["state"], h["time"]) for h in history}
-            history += [h for h in status.get("history", []) if (h["state"], h["time"]) not in seen]
+            new_entries = [h for h in status.get("history", []) if (h["state"], h["time"]) not in seen]
+            history += new_entries
             row.state = status["state"]
             row.message = status.get("message", row.message)
             row.step = max(row.step, status.get("step", 0))
@@ -273,6 +274,10 @@ class Store:
             for c in checkpoints:
                 if c["step"] not in old_checkpoints:
                     self._add_event(s, job_id, "checkpoint", c)
+            for h in new_entries:  # an elastic resize is an event even when the state stays
+                if "resize" in h:
+                    data = {"state": h["state"], "message": h["message"], "restarts": row.restarts, "time": h["time"]}
+                    self._add_event(s, job_id, "state", {**data, "resize": h["resize"]})
             if row.state != old_state or row.restarts != old_restarts:
                 data = {"state": row.state, "message": row.message, "restarts": row.restarts, "time": row.updated_at}
                 self._add_event(s, job_id, "state", data)

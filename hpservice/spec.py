@@ -284,12 +284,25 @@ class ResourcesSpec(_Section):
         "auto", description="a GPU per worker: true, false, or auto (when the cluster has one for every worker)"
     )
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs each worker reserves (fractions share cores)")
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        description="elastic: when a node is lost and no room for every worker comes back within "
+        "failure.capacity_wait_s, go on with as few as this many (same global batch: more gradient accumulation), "
+        "and grow back to workers at the next checkpoint once there is room; null: always all workers",
+    )
     placement: Literal["shard_group", "pack", "spread", "strict_pack"] = Field(
         "shard_group",
         description="where workers go: shard_group keeps each shard group (dp_shard x tp ranks) inside one node and "
         "lets dp_replicate span nodes (a group larger than every node is refused); pack, spread, strict_pack: one "
         "worker per placement-group bundle with Ray's strategy of that name (groups may span nodes)",
     )
+
+    @model_validator(mode="after")
+    def _min_workers_at_most_workers(self):
+        if self.min_workers is not None and self.min_workers > self.workers:
+            raise ValueError(f"resources.min_workers {self.min_workers} is more than resources.workers {self.workers}")
+        return self
 
     def gpus_per_worker(self, cluster_gpus: float) -> int:
         """The one decision of "does this job use GPUs": 1 or 0 per worker, given the GPUs the
@@ -432,6 +445,51 @@ class JobSpec(_Section):
             checkpoint = checkpoint.model_copy(update={"dir": os.path.abspath(checkpoint.dir)})
         return spec.model_copy(update={"run_id": run_id, "checkpoint": checkpoint})
 
+    def resized(self, workers: int) -> JobSpec:
+        """This job on ``workers`` workers (elastic resizing), with the same model and the same
+        global batch: the shard group (``dp_shard x tp``) is kept and the replicas change when
+        ``dp_shard`` is set, else ``dp_shard`` takes the rest; gradient accumulation grows by the
+        factor the data-parallel size shrinks by, so each rank's micro-batch stays the same.
+        Raises SpecError when ``workers`` cannot hold that layout."""
+        if workers == self.resources.workers:
+            return self
+        p, t = self.parallelism, self.training
+        old_replicate, old_shard = p.resolve(self.resources.workers)
+        old_dp = old_replicate * old_shard
+        if p.dp_shard == -1:
+            parallelism = p
+        else:
+            replicate, rem = divmod(workers, p.dp_shard * p.tp)
+            if rem or replicate < 1:
+                raise SpecError(f"{workers} workers cannot hold shard groups of dp_shard {p.dp_shard} x tp {p.tp}")
+            parallelism = p.model_copy(update={"dp_replicate": replicate})
+        replicate, shard = parallelism.resolve(workers)
+        accum, rem = divmod(t.grad_accum * old_dp, replicate * shard)
+        if rem:
+            raise SpecError(
+                f"{workers} workers: data-parallel size {replicate * shard} does not divide "
+                f"{old_dp} x grad_accum {t.grad_accum} (the global batch could not stay {self.data.global_batch})"
+            )
+        return self.model_copy(
+            update={
+                "resources": self.resources.model_copy(update={"workers": workers}),
+                "parallelism": parallelism,
+                "training": t.model_copy(update={"grad_accum": accum}),
+            }
+        )
+
+    def elastic_sizes(self) -> list[int]:
+        """The smaller worker counts this job may shrink to (largest first): ``min_workers`` and up."""
+        low = self.resources.min_workers or self.resources.workers
+        sizes = []
+        for n in range(self.resources.workers - 1, low - 1, -1):
+            try:
+                self.resized(n)
+            except SpecError:
+                continue
+            sizes.append(n)
+        return sizes
+
     def run_dir(self, run_id: str | None = None) -> str:
         """Where this run writes its metrics (a path or a URL)."""
         run_id = run_id or self.run_id
@@ -573,6 +631,17 @@ def check_world(spec: JobSpec, *, source: str = "job") -> None:
     except SpecError as e:
         message = f"{str(e).removeprefix('parallelism: ')} (resources.workers is {spec.resources.workers})"
         raise SpecError(f"{source}: invalid job spec\n  parallelism: {message}", [("parallelism", message)]) from None
+    low = spec.resources.min_workers
+    if low is not None and low < spec.resources.workers and low not in spec.elastic_sizes():
+        try:
+            spec.resized(low)
+            message = f"{low} workers cannot run this job's layout"
+        except SpecError as e:
+            message = str(e)
+        sizes = spec.elastic_sizes()
+        if sizes:
+            message += f" (sizes it can shrink to: {', '.join(map(str, sizes))})"
+        raise SpecError(f"{source}: invalid job spec\n  resources.min_workers: {message}", [("resources.min_workers", message)])
 
 
 def check_local_model(spec: JobSpec, *, source: str = "job") -> None:

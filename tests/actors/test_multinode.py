@@ -208,3 +208,46 @@ def test_the_supervisor_requeues_a_job_whose_coordinators_node_was_lost(tmp_path
     requeued = [m for m in messages if m.startswith("requeued: its coordinator died")]
     assert len(requeued) == 1 and "resumes from its checkpoint of step" in requeued[0], messages
     assert final["step"] == steps
+
+
+def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_losses(ranks, tmp_path):
+    """4 workers (dp_replicate 2 x dp_shard 2, one shard group per 1-CPU node), min_workers 2. A
+    node dies and none comes back within capacity_wait_s: the job goes on with 2 workers from
+    its latest checkpoint (gradient accumulation 2 keeps the global batch). A node joins: at the
+    next checkpoint it grows back to 4. Every step's loss equals the undisturbed 4-worker run's
+    to fp32 reduction-order tolerance, and no restart is spent."""
+    steps = 400
+    sections = {
+        "training": {"steps": steps},
+        "parallelism": {"dp_replicate": 2},
+        "resources": {"workers": 4, "cpus_per_worker": 0.5},
+    }
+    spec = _spec(
+        tmp_path,
+        "elastic",
+        **{**sections, "resources": {**sections["resources"], "min_workers": 2}},
+        checkpoint={"interval": 5, "keep": 2},
+        failure={"max_restarts": 0, "capacity_wait_s": 3},
+    )
+    with simulated_cluster({"num_cpus": 1}, {"num_cpus": 1}) as cluster:
+        handle = start_job(spec)
+        status = _wait(lambda: (s := handle.status())["checkpoints"] and s, "checkpointed")
+        lost = next(p["node_id"] for p in status["placement"] if p["rank"] == 2)
+        cluster.remove_node(_node_of(cluster, lost), allow_graceful=False)
+        _wait(lambda: handle.status()["workers"] == 2, "shrunk to 2 workers")
+        cluster.add_node(num_cpus=1)
+        status = handle.wait(timeout=300)
+        assert status["state"] == "SUCCEEDED", status
+        records = handle.poll(since_step=0)["records"]
+        handle.shutdown()
+    assert status["restarts"] == 0 and status["workers"] == 4, status
+    assert [(r["from"], r["to"]) for r in status["resizes"]] == [(4, 2), (2, 4)], status["resizes"]
+    assert status["resizes"][0]["grad_accum"] == 2 and status["resizes"][1]["grad_accum"] == 1
+    resized = [h for h in status["history"] if "resize" in h]
+    assert [h["message"].split(":")[0] for h in resized] == ["resized 4 -> 2 workers", "resized 2 -> 4 workers"]
+    assert f"node {lost[:8]}" in resized[0]["message"]
+    expected = ranks(4).run(_torchrun_losses, _spec(tmp_path / "ref", "elastic", **sections))[0]
+    by_step = {r["step"]: r["loss"] for r in records}  # a resumed attempt's record of a step replaces the first
+    assert sorted(by_step) == list(range(1, steps + 1))
+    diff = max(abs(by_step[s] - expected[s - 1]) for s in range(1, steps + 1))
+    assert diff < 1e-5, diff

@@ -194,3 +194,29 @@ def test_gloo_binds_to_the_interface_of_the_nodes_address():
     assert socket_interface("203.0.113.254") is None  # TEST-NET: no interface of this machine has it
     hostname_ip = socket.gethostbyname(socket.gethostname())
     assert socket_interface(hostname_ip) in ({n for _, n in socket.if_nameindex()} | {None})
+
+
+def test_an_elastic_job_resizes_with_the_same_global_batch_and_shard_groups():
+    hsdp = parse_job({"name": "e", "resources": {"workers": 8, "min_workers": 2}, "parallelism": {"dp_shard": 2, "dp_replicate": 4}})
+    assert hsdp.elastic_sizes() == [4, 2]  # not 6: 3 replicas of 2 cannot keep the global batch of 4 x 2
+    two = hsdp.resized(2)  # the shard group of 2 stays; one replica left
+    assert (two.parallelism.dp_replicate, two.parallelism.dp_shard, two.training.grad_accum) == (1, 2, 4)
+    assert two.data.global_batch == hsdp.data.global_batch and two.resources.workers == 2
+    fsdp = parse_job({"name": "e", "resources": {"workers": 4, "min_workers": 1}})
+    assert fsdp.elastic_sizes() == [2, 1]
+    assert fsdp.resized(1).parallelism.resolve(1) == (1, 1) and fsdp.resized(1).training.grad_accum == 4
+    with pytest.raises(SpecError, match="3 workers: data-parallel size 3 does not divide 4 x grad_accum 1"):
+        fsdp.resized(3)
+
+
+def test_min_workers_is_checked_before_anything_starts():
+    from hpservice.spec import check_world
+
+    with pytest.raises(SpecError, match=r"resources\.min_workers 5 is more than resources\.workers 4"):
+        parse_job({"name": "e", "resources": {"workers": 4, "min_workers": 5}})
+    spec = parse_job({"name": "e", "resources": {"workers": 8, "min_workers": 3}})
+    with pytest.raises(SpecError) as e:
+        check_world(spec)
+    assert "resources.min_workers: 3 workers: data-parallel size 3 does not divide 8" in str(e.value)
+    assert "(sizes it can shrink to: 4)" in str(e.value)
+    check_world(parse_job({"name": "e", "resources": {"workers": 8, "min_workers": 4}}))
