@@ -102,6 +102,10 @@ class FakeJob:
     async def _produce(self) -> None:
         self._emit("state", {"state": "STARTING", "message": "placing 2 workers"})
         await asyncio.sleep(TICK_S)
+        self.job["placement"] = [
+            {"rank": r, "node_id": f"{n}" * 56, "node_ip": ip, "node": f"node {f'{n}' * 8} ({ip})", "bundle": r, "pid": 100 + r}
+            for r, (n, ip) in enumerate([("a", "10.0.0.5"), ("b", "10.0.0.6")])
+        ]
         self._emit("state", {"state": "RUNNING", "message": "2 workers, rendezvous 10.0.0.5:41234"})
         step = 1
         restarted = False
@@ -350,6 +354,10 @@ def test_page_shows_a_live_job(browser):
         assert "/step-30" in css(browser, '[data-testid="checkpoints"]').text
         wait(browser, lambda d: RESTART_REASON in css(d, '[data-testid="restart-reasons"]').text)
         assert css(browser, '[data-testid="restart-count"]').text == "1 restart."
+        # where each rank runs
+        assert css(browser, '[data-testid="placement-summary"]').text == "2 ranks on 2 nodes."
+        placement = css(browser, '[data-testid="placement"]').text
+        assert "node aaaaaaaa (10.0.0.5): rank 0" in placement and "node bbbbbbbb (10.0.0.6): rank 1" in placement
         assert "step 30 loss" in css(browser, '[data-testid="logs"]').text
         assert css(browser, '[data-testid="ray-link"]').get_attribute("href") == "http://127.0.0.1:8265/#/actors"
         assert fake.stream_queries == [{}], "one stream, no token in the URL without a token"
