@@ -184,9 +184,11 @@
   }
 
   class LineChart {
-    constructor(canvas, { label, colorVar, fmt, readout }) {
+    constructor(canvas, { label, yTitle, colorVar, fmt, readout }) {
       this.canvas = canvas;
       this.label = label;
+      this.yTitle = yTitle; // the y axis's title, drawn along it; the x axis is always "step"
+      this.overlays = []; // other runs drawn under this one: [{ label, color, xs, ys }]
       this.colorVar = colorVar;
       this.fmt = fmt;
       this.readout = readout;
@@ -208,12 +210,20 @@
       this.ys = ys;
       this.canvas.dataset.points = String(xs.length);
       const n = xs.length;
+      const axes = `x: step, y: ${this.yTitle}`;
+      const others = this.overlays.length ? `; compared with ${this.overlays.map((o) => o.label).join(", ")}` : "";
       this.canvas.setAttribute(
         "aria-label",
-        n ? `${this.label} chart: ${n} points, latest ${this.fmt(ys[n - 1])} at step ${xs[n - 1]}`
-          : `${this.label} chart: no data yet`,
+        n ? `${this.label} chart (${axes}): ${n} points, latest ${this.fmt(ys[n - 1])} at step ${xs[n - 1]}${others}`
+          : `${this.label} chart (${axes}): no data yet${others}`,
       );
       if (this.hover !== null && this.hover >= n) this.hover = null;
+    }
+
+    setOverlays(overlays) {
+      this.overlays = overlays;
+      this.canvas.dataset.overlays = String(overlays.length);
+      this.setData(this.xs, this.ys);
     }
 
     onPointer(e) {
@@ -261,9 +271,11 @@
 
       let ymin = Infinity;
       let ymax = -Infinity;
-      for (const y of ys) {
-        if (y < ymin) ymin = y;
-        if (y > ymax) ymax = y;
+      for (const series of [ys, ...this.overlays.map((o) => o.ys)]) {
+        for (const y of series) {
+          if (y < ymin) ymin = y;
+          if (y > ymax) ymax = y;
+        }
       }
       if (ymin === ymax) {
         const d = Math.abs(ymin) * 0.1 || 1;
@@ -276,6 +288,10 @@
       }
       let xmin = xs[0];
       let xmax = xs[n - 1];
+      for (const o of this.overlays) {
+        if (o.xs.length && o.xs[0] < xmin) xmin = o.xs[0];
+        if (o.xs.length && o.xs[o.xs.length - 1] > xmax) xmax = o.xs[o.xs.length - 1];
+      }
       if (xmin === xmax) {
         xmin -= 1;
         xmax += 1;
@@ -285,7 +301,7 @@
       const ylabels = yt.map((v) => this.fmt(v));
       let labelW = 0;
       for (const s of ylabels) labelW = Math.max(labelW, ctx.measureText(s).width);
-      const x0 = Math.ceil(labelW) + 12;
+      const x0 = Math.ceil(labelW) + 12 + 16; // tick labels, and the y axis title left of them
       const x1 = W - 12;
       const y0 = 8;
       const y1 = H - 36; // tick labels, then the axis title below them
@@ -322,13 +338,26 @@
       ctx.moveTo(x0, y1 + 0.5);
       ctx.lineTo(x1, y1 + 0.5);
       ctx.stroke();
-      ctx.fillText("step", (x0 + x1) / 2, y1 + 20); // x axis title; the y axis is the figure's caption
+      ctx.fillText("step", (x0 + x1) / 2, y1 + 20); // x axis title
+      ctx.save();
+      ctx.translate(8, (y0 + y1) / 2);
+      ctx.rotate(-Math.PI / 2);
+      ctx.textBaseline = "middle";
+      ctx.fillText(this.yTitle, 0, 0); // y axis title
+      ctx.restore();
 
       // the series; many points per pixel column are drawn as that column's min/max
       ctx.save();
       ctx.beginPath();
       ctx.rect(x0, y0 - 4, x1 - x0 + 4, y1 - y0 + 8);
       ctx.clip();
+      ctx.lineWidth = 1.5;
+      for (const o of this.overlays) {
+        ctx.strokeStyle = o.color;
+        ctx.beginPath();
+        o.xs.forEach((x, i) => (i === 0 ? ctx.moveTo(sx(x), sy(o.ys[i])) : ctx.lineTo(sx(x), sy(o.ys[i]))));
+        ctx.stroke();
+      }
       ctx.strokeStyle = line;
       ctx.lineWidth = 2;
       ctx.lineJoin = "round";
@@ -391,11 +420,75 @@
   }
 
   const charts = {
-    loss: new LineChart($("loss-chart"), { label: "Loss", colorVar: "--chart-loss", fmt: fmtNum, readout: $("loss-readout") }),
-    lr: new LineChart($("lr-chart"), { label: "Learning rate", colorVar: "--chart-lr", fmt: fmtLr, readout: $("lr-readout") }),
-    tps: new LineChart($("tps-chart"), { label: "Tokens per second", colorVar: "--chart-tps", fmt: fmtRate, readout: $("tps-readout") }),
-    val: new LineChart($("val-chart"), { label: "Validation loss", colorVar: "--chart-val", fmt: fmtNum, readout: $("val-readout") }),
+    loss: new LineChart($("loss-chart"), { label: "Loss", yTitle: "loss", colorVar: "--chart-loss", fmt: fmtNum, readout: $("loss-readout") }),
+    lr: new LineChart($("lr-chart"), { label: "Learning rate", yTitle: "lr", colorVar: "--chart-lr", fmt: fmtLr, readout: $("lr-readout") }),
+    tps: new LineChart($("tps-chart"), { label: "Tokens per second", yTitle: "tokens/s", colorVar: "--chart-tps", fmt: fmtRate, readout: $("tps-readout") }),
+    val: new LineChart($("val-chart"), { label: "Validation loss", yTitle: "val loss", colorVar: "--chart-val", fmt: fmtNum, readout: $("val-readout") }),
   };
+
+  // ---------------------------------------------------------------- comparing runs
+  // Other runs' losses overlaid on the loss chart (as in TensorBoard or W&B): picked from the jobs
+  // list, fetched once (an ended run's metrics do not change; a live one's are as of the pick).
+  const OVERLAY_COLORS = ["#cf222e", "#8250df", "#1a7f37", "#bc4c00", "#6e7781", "#0a7ea4"];
+  const compared = new Map(); // job id -> { label, color, xs, ys }
+  let knownJobs = new Map(); // job id -> the jobs list's entry
+
+  function renderCompare() {
+    const select = $("compare-select");
+    const choices = [...knownJobs.values()].filter((j) => (!cur || j.id !== cur.id) && !compared.has(j.id));
+    select.replaceChildren(
+      el("option", { value: "" }, choices.length ? "another run…" : "no other runs"),
+      ...choices.map((j) => el("option", { value: j.id }, `${j.name} (${j.id})`)),
+    );
+    select.disabled = choices.length === 0;
+    $("compare-legend").replaceChildren(
+      ...[...compared].map(([id, o]) => {
+        const remove = el("button", { type: "button", class: "link-button", "aria-label": `Stop comparing with ${o.label}` }, "×");
+        remove.addEventListener("click", () => {
+          compared.delete(id);
+          applyOverlays();
+        });
+        const swatch = el("span", { class: "swatch", "aria-hidden": "true" });
+        swatch.style.background = o.color; // CSSOM, which the page's CSP allows (a style attribute it would not)
+        const li = el("li");
+        li.append(swatch, ` ${o.label} `, remove);
+        return li;
+      }),
+    );
+  }
+
+  function applyOverlays() {
+    charts.loss.setOverlays([...compared].filter(([id]) => !cur || id !== cur.id).map(([, o]) => o));
+    renderCompare();
+    scheduleDraw();
+  }
+
+  async function compareWith(id) {
+    const job = knownJobs.get(id);
+    if (!job || compared.has(id)) return;
+    const xs = [];
+    const ys = [];
+    let since = 0;
+    try {
+      for (;;) {
+        const page = await api(`/v1/jobs/${encodeURIComponent(id)}/metrics?since_step=${since}`);
+        for (const r of page.records || []) {
+          if (isNum(r.step) && isNum(r.loss)) {
+            xs.push(r.step);
+            ys.push(r.loss);
+          }
+        }
+        if (!page.records || !page.records.length || page.next_since_step <= since) break;
+        since = page.next_since_step;
+      }
+    } catch (err) {
+      if (!(err instanceof AuthError)) setConn(`Cannot load the metrics of ${id}: ${err.message}`, true);
+      return;
+    }
+    const color = OVERLAY_COLORS[compared.size % OVERLAY_COLORS.length];
+    compared.set(id, { label: `${job.name} (${id})`, color, xs, ys });
+    applyOverlays();
+  }
 
   // ---------------------------------------------------------------- job list
 
@@ -453,6 +546,8 @@
   }
 
   function renderJobs(items) {
+    knownJobs = new Map(items.map((j) => [j.id, j]));
+    renderCompare();
     const body = $("job-rows");
     const seen = new Set();
     items.forEach((job) => {
@@ -922,6 +1017,7 @@
     renderState();
     renderHistory();
     renderLive();
+    applyOverlays(); // the compared runs stay; the job itself is never compared with itself
     if (focus) {
       // move focus to the job; scroll only where it sits below the list (one-column layout)
       const view = $("job-view");
@@ -938,6 +1034,12 @@
   }
 
   // ---------------------------------------------------------------- wiring
+
+  $("compare-select").addEventListener("change", (e) => {
+    const id = e.target.value;
+    e.target.value = "";
+    if (id) compareWith(id);
+  });
 
   $("auth-form").addEventListener("submit", (e) => {
     e.preventDefault();

@@ -153,6 +153,11 @@ class FakeJob:
 
 
 ARTIFACT = "rank0-steps3-4.trace.json"
+BASELINE = {
+    "id": "tiny-cpu-0000base", "name": "baseline", "owner": "alice", "state": "SUCCEEDED", "message": "finished",
+    "step": STEPS, "total_steps": STEPS, "restarts": 0, "restart_reasons": [], "created_at": 0.0, "updated_at": 0.0,
+    "history": [], "checkpoints": [], "spec": {"name": "baseline"},
+}  # fmt: skip
 
 
 def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
@@ -183,7 +188,18 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/jobs")
     def list_jobs(request: Request):
-        return denied(request) or {"items": [] if fake.deleted else [fake.job], "next_cursor": None}
+        # an earlier run to compare with shows up once the live job has ended
+        baseline = [BASELINE] if fake.job["state"] == "SUCCEEDED" else []
+        return denied(request) or {"items": [] if fake.deleted else [fake.job, *baseline], "next_cursor": None}
+
+    @app.get("/v1/jobs/{job_id}/metrics")
+    def metrics(job_id: str, request: Request, since_step: int = 0):
+        if (refused := denied(request)) is not None:
+            return refused
+        if job_id != BASELINE["id"]:
+            return not_found(job_id)
+        records = [{"step": s, "loss": 5.0 * 0.95**s + 0.6} for s in range(since_step + 1, STEPS + 1)][:25]
+        return {"records": records, "next_since_step": records[-1]["step"] if records else since_step}
 
     @app.get("/v1/jobs/{job_id}")
     def get_job(job_id: str, request: Request):
@@ -368,6 +384,19 @@ def test_page_shows_a_live_job(browser):
         link.click()
         wait(browser, lambda d: fake.downloads)
         assert fake.downloads == [(ARTIFACT, None)]
+
+        # an earlier run overlaid on the loss chart (fetched page by page), and removed again
+        from selenium.webdriver.support.ui import Select
+
+        wait(browser, lambda d: len(css_all(d, '[data-testid="compare-select"] option')) == 2)
+        Select(css(browser, '[data-testid="compare-select"]')).select_by_value(BASELINE["id"])
+        wait(browser, lambda d: css(d, LOSS).get_attribute("data-overlays") == "1")
+        assert "baseline (tiny-cpu-0000base)" in css(browser, '[data-testid="compare-legend"]').text
+        label = css(browser, LOSS).get_attribute("aria-label")
+        assert "(x: step, y: loss)" in label and "compared with baseline (tiny-cpu-0000base)" in label, label
+        browser.save_screenshot(SCREENSHOT.replace(".png", "-compare.png"))
+        css(browser, '[data-testid="compare-legend"] button').click()
+        wait(browser, lambda d: css(d, LOSS).get_attribute("data-overlays") == "0")
 
         # the jobs table fits a 1400-px window without sideways scrolling
         browser.set_window_size(1400, 1000)
