@@ -145,6 +145,6 @@ def start_job(spec, job_id: str | None = None) -> JobHandle:
         namespace=NAMESPACE,
         lifetime="detached",
         resources={pin: 0.001} if pin else None,
-    ).remote(job_id, spec.model_dump_json(by_alias=True))
+    ).remote(job_id, spec)  # the parsed spec itself: Ray pickles it, nothing parses it again
     coordinator.run.remote()
     return JobHandle(job_id, coordinator)

@@ -77,11 +77,9 @@ def attempt_spec(spec, resume: bool, gpus: int):
 
 @ray.remote(num_cpus=0, max_concurrency=16)
 class Coordinator:
-    def __init__(self, job_id: str, spec_json: str):
-        from hpservice.spec import JobSpec
-
+    def __init__(self, job_id: str, spec):
         self.job_id = job_id
-        self.spec = JobSpec.model_validate_json(spec_json)
+        self.spec = spec  # a JobSpec, parsed once at the edge (the CLI or the API)
         self._lock = threading.Lock()
         self._history: list[dict] = []
         self._set_state(JobState.QUEUED, "waiting to start")
@@ -398,7 +396,7 @@ class Coordinator:
         """Start one worker per rank in its bundle, rendezvous at rank 0's address; returns the
         RUNNING message. Raises ``_Failure``."""
         spec = self.spec.resized(self._size)
-        attempt_json = attempt_spec(spec, resume, self._gpus).model_dump_json(by_alias=True)
+        attempt = attempt_spec(spec, resume, self._gpus)
         n = spec.resources.workers
         self._workers = [
             TrainWorker.options(
@@ -415,7 +413,7 @@ class Coordinator:
             addresses = ray.get([w.address.remote() for w in self._workers], timeout=300)
             self._record_placement(addresses)
             master_addr, master_port = addresses[0].ip, addresses[0].port
-            ray.get([w.start.remote(attempt_json, master_addr, master_port) for w in self._workers], timeout=300)
+            ray.get([w.start.remote(attempt, master_addr, master_port) for w in self._workers], timeout=300)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise self._classify(f"workers failed to start: {type(e).__name__}: {_short(e)}") from None
         self._stop_sent_at = None

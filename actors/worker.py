@@ -40,11 +40,9 @@ class TrainWorker:
         node_id = ray.get_runtime_context().get_node_id()
         return WorkerAddress(self.rank, ray.util.get_node_ip_address(), free_port(host=""), os.getpid(), node_id)
 
-    def start(self, spec_json: str, master_addr: str, master_port: int) -> None:
-        """Run the attempt's spec, as the coordinator resolved it (GPUs, resume point)."""
-        from hpservice.spec import JobSpec
-
-        spec = JobSpec.model_validate_json(spec_json)
+    def start(self, spec, master_addr: str, master_port: int) -> None:
+        """Run the attempt's spec (a JobSpec) as the coordinator resolved it (GPUs, resume
+        point, size), without deciding any of it again."""
         if spec.training.compile:
             from hpservice.train._compile import isolate_compile_cache
 
