@@ -24,6 +24,24 @@ def tiny_llama_job(tmp, **sections):
     return parse_job(data)
 
 
+def ray_job(tmp, name, **sections):
+    """A 6-step, 2-worker tiny Llama job for the Ray tests (CPU workers), writing under ``tmp``;
+    keywords merge into sections as for ``tiny_llama_job``."""
+    data = {
+        "name": name,
+        "model": {"name": "llama", "flavor": "tiny"},
+        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
+        "training": {"steps": 6},
+        "optimizer": {"lr": 3.0e-3},
+        "resources": {"workers": 2, "use_gpu": False},
+        "checkpoint": {"dir": str(Path(tmp) / "ckpt")},
+        "metrics": {"dir": str(Path(tmp) / "metrics")},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_job(data)
+
+
 def train(spec) -> list[dict]:
     """Run the job on the calling rank; the per-step metric records."""
     return Trainer(spec, log_to_stdout=False).train()

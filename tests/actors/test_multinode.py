@@ -18,8 +18,8 @@ from ray.cluster_utils import Cluster
 
 from hpservice.actors import COORDINATOR_RESOURCE_ENV, JobHandle, start_job
 from hpservice.actors.placement import infeasible, plan_placement
-from hpservice.spec import parse_job
 from hpservice.train import Trainer
+from tests._jobs import ray_job as _spec
 
 FAST_HEALTH_CHECKS = {
     "health_check_initial_delay_ms": 1000,
@@ -46,22 +46,6 @@ def simulated_cluster(*nodes: dict):
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-def _spec(tmp, name, **sections):
-    data = {
-        "name": name,
-        "model": {"name": "llama", "flavor": "tiny"},
-        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
-        "training": {"steps": 6},
-        "optimizer": {"lr": 3.0e-3},
-        "resources": {"workers": 2, "use_gpu": False},
-        "checkpoint": {"dir": str(tmp / "ckpt")},
-        "metrics": {"dir": str(tmp / "metrics")},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return parse_job(data)
 
 
 def _wait(predicate, what: str, timeout: float = 180, poll_s: float = 0.2):

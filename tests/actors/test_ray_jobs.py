@@ -12,8 +12,8 @@ from ray.util.state import list_actors, list_placement_groups
 
 from hpservice.actors import NAMESPACE, JobHandle, init_local_ray, start_job, worker_name
 from hpservice.launch import free_port
-from hpservice.spec import parse_job
 from hpservice.train import Trainer
+from tests._jobs import ray_job as _spec
 
 
 @pytest.fixture(scope="module")
@@ -21,22 +21,6 @@ def cluster():
     init_local_ray(num_cpus=4, dashboard_port=free_port())
     yield
     ray.shutdown()
-
-
-def _spec(tmp, name, **sections):
-    data = {
-        "name": name,
-        "model": {"name": "llama", "flavor": "tiny"},
-        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
-        "training": {"steps": 6},
-        "optimizer": {"lr": 3.0e-3},
-        "resources": {"workers": 2, "use_gpu": False},
-        "checkpoint": {"dir": str(tmp / "ckpt")},
-        "metrics": {"dir": str(tmp / "metrics")},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return parse_job(data)
 
 
 def _torchrun_equivalent(spec):
