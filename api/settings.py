@@ -14,6 +14,8 @@ import yaml
 
 from hpservice.spec import NAME_PATTERN
 
+from .scheduler import EVERYONE, Quota, Quotas
+
 
 @dataclass(frozen=True)
 class Principal:
@@ -40,6 +42,10 @@ class Settings:
         default_factory=lambda: tuple(Path(p).expanduser() for p in _env_list("HPSERVICE_DATA_ROOTS", os.pathsep))
     )
     docs: bool = True  # serve /docs, /redoc and /openapi.json
+    # The queue (api/scheduler.py): per-owner quotas and default priorities, and how long a job
+    # that does not fit may be overtaken by smaller ones
+    quotas: Quotas = field(default_factory=Quotas)
+    backfill_bound_s: float = 600.0
 
     def __post_init__(self):
         self.tokens = dict(self.tokens)  # callers pass plain dicts; lookups go through principal_for
@@ -117,6 +123,33 @@ def load_tokens(tokens_file: str | None = None, env: str | None = None) -> dict[
             raise ValueError(f"{where}: the flag after the owner must be 'admin', got {flag!r}")
         tokens[token] = Principal(_owner(owner, where), flag == "admin")
     return tokens
+
+
+def load_quotas(path: str | None) -> Quotas:
+    """Quotas from a YAML file ``{OWNER or "*": {workers: N, gpus: N, priority: P}}`` (each key
+    optional; ``*`` applies to owners without an entry of their own). Strict: unknown keys and
+    values that are not integers are errors naming the entry."""
+    if path is None:
+        return Quotas()
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of owner -> {{workers, gpus, priority}}")
+    quotas = {}
+    for owner, entry in data.items():
+        where = f"{path}: {owner!r}"
+        if owner != EVERYONE:
+            _owner(owner, where)
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected {{workers: N, gpus: N, priority: P}}")
+        unknown = set(entry) - {"workers", "gpus", "priority"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))} (allowed: workers, gpus, priority)")
+        for key, value in entry.items():
+            low = -1000 if key == "priority" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
+                raise ValueError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
+        quotas[owner] = Quota(entry.get("workers"), entry.get("gpus"), entry.get("priority", 0))
+    return Quotas(quotas)
 
 
 def _owner(value, where: str) -> str:

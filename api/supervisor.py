@@ -1,10 +1,13 @@
-"""The bridge between the store and Ray: starts queued jobs in order, follows running ones.
+"""The bridge between the store and Ray: starts queued jobs as the scheduler decides, follows
+running ones.
 
 One background thread, every ``poll_interval_s``:
 
-1. the oldest QUEUED job not yet launched starts (its Coordinator actor) when the cluster has
-   room for it now; a job that can never fit fails at once with the reason; later jobs wait
-   behind it (first in, first out). Launch and cancel take one lock and re-read the job's
+1. the scheduler (``api/scheduler.py``: priority, the operator's per-owner quotas, fair share,
+   backfill with a bound) picks the QUEUED jobs that start now (their Coordinator actors), from
+   the free resources less those of jobs launched but not yet placed; every other queued job is
+   told why it waits, each new reason once, in its history; a job that can never fit fails at
+   once with the reason. Launch and cancel take one lock and re-read the job's
    state, so a cancel either finds the job unlaunched (CANCELLED, never launched) or launched
    (the coordinator is asked to stop): a job the store calls CANCELLED never runs;
 2. every launched, unfinished job's coordinator is asked for its news (metrics after the last
@@ -36,6 +39,7 @@ from hpservice.actors.coordinator import cluster_fit
 from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
 from hpservice.spec import parse_job
 
+from .scheduler import JobDemand, Quotas, decide
 from .store import Store
 
 log = logging.getLogger("hpservice.api.supervisor")
@@ -56,16 +60,26 @@ class _Request:
 
 
 class Supervisor:
-    def __init__(self, store: Store, poll_interval_s: float = 0.5, poll_timeout_s: float = POLL_TIMEOUT_S):
+    def __init__(
+        self,
+        store: Store,
+        poll_interval_s: float = 0.5,
+        poll_timeout_s: float = POLL_TIMEOUT_S,
+        *,
+        quotas: Quotas | None = None,
+        backfill_bound_s: float = 600.0,
+    ):
         self.store = store
+        self.quotas = quotas or Quotas()
+        self.backfill_bound_s = backfill_bound_s
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self._handles: dict[str, JobHandle] = {}
         self._requests: dict[str, _Request] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_launch = 0.0
-        self._waiting_announced: set[str] = set()  # queued jobs told they wait for resources
+        self._reasons: dict[str, str] = {}  # queued job -> the reason it was last told it waits
+        self._specs: dict[str, object] = {}  # job -> its parsed spec (a job's spec never changes)
         self._lock = threading.RLock()  # launch, cancel and the handle table
 
     def start(self) -> None:
@@ -109,7 +123,7 @@ class Supervisor:
 
     def tick(self) -> None:
         jobs = self.store.jobs_in(ACTIVE_STATES)
-        self._launch_next([j for j in jobs if not j["started"]])
+        self._schedule(jobs)
         self._collect()
         now = time.monotonic()
         for job in jobs:
@@ -127,38 +141,73 @@ class Supervisor:
                 )
         self._collect(wait_s=0.1)  # answers that come at once are stored in this tick
 
-    def _launch_next(self, waiting: list[dict]) -> None:
-        if not waiting or time.monotonic() - self._last_launch < 2.0:
-            return  # give the last launch time to take its resources
-        job = waiting[0]
-        spec = parse_job(job["spec"])
+    def _schedule(self, jobs: list[dict]) -> None:
+        """Start the queued jobs the scheduler picks (``api/scheduler.py``: priority, quotas, fair
+        share, backfill); tell every other queued job why it waits; fail the ones that can
+        never fit."""
+        queued = [j for j in jobs if not j["started"]]
+        if not queued:
+            return
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        demands = {}
+        for job in queued:
+            spec = self._spec_of(job)
+            why = cluster_fit(spec, spec.resources.gpus_per_worker(cluster_gpus))
+            if why is not None:
+                with self._lock:
+                    if not self.store.is_started(job["id"]):
+                        self.store.set_state(job["id"], JobState.FAILED, why)
+                continue
+            demands[job["id"]] = self._demand(job, spec, cluster_gpus)
+        running = [self._demand(j, self._spec_of(j), cluster_gpus) for j in jobs if j["started"]]
+        free = dict(ray.available_resources())
+        for job, demand in zip([j for j in jobs if j["started"]], running, strict=True):
+            if job["state"] == JobState.QUEUED:  # launched, its placement group maybe not placed yet
+                free["CPU"] = free.get("CPU", 0) - demand.workers * demand.cpus
+                free["GPU"] = free.get("GPU", 0) - demand.workers * demand.gpus
+        decision = decide(
+            list(demands.values()), running, free, self.quotas, now=time.time(), backfill_bound_s=self.backfill_bound_s
+        )
+        by_id = {j["id"]: j for j in queued}
+        for job_id in decision.start:
+            self._launch(by_id[job_id])
+        for job_id, reason in decision.waiting.items():
+            if self._reasons.get(job_id) != reason:  # each new reason once, in the job's history
+                self._reasons[job_id] = reason
+                self.store.set_state(job_id, JobState.QUEUED, reason)
+        active = {j["id"] for j in jobs}
+        for cache in (self._reasons, self._specs):
+            for job_id in [k for k in cache if k not in active]:
+                del cache[job_id]
+
+    def _spec_of(self, job: dict):
+        spec = self._specs.get(job["id"])
+        if spec is None:
+            spec = self._specs[job["id"]] = parse_job(job["spec"])
+        return spec
+
+    @staticmethod
+    def _demand(job: dict, spec, cluster_gpus: float) -> JobDemand:
+        r = spec.resources
+        return JobDemand(
+            job["id"], job["owner"], spec.scheduling.priority, r.workers, r.cpus_per_worker,
+            r.gpus_per_worker(cluster_gpus), job["created_at"],
+        )  # fmt: skip
+
+    def _launch(self, job: dict) -> None:
+        spec = self._spec_of(job)
         if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
-        r = spec.resources
-        gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
         with self._lock:
             if (self.store.get_job(job["id"]) or {}).get("state") != JobState.QUEUED or self.store.is_started(job["id"]):
                 return  # cancelled (or launched) meanwhile
-            why = cluster_fit(spec, gpus)
-            if why is not None:
-                self.store.set_state(job["id"], JobState.FAILED, why)
-                return
-            free = ray.available_resources()
-            if free.get("CPU", 0) + 1e-9 < r.workers * r.cpus_per_worker or free.get("GPU", 0) < r.workers * gpus:
-                if job["id"] not in self._waiting_announced:  # said once, not on every tick
-                    self._waiting_announced.add(job["id"])
-                    self.store.set_state(
-                        job["id"], JobState.QUEUED, f"waiting for resources: {r.workers} x {r.cpus_per_worker:g} CPU"
-                    )
-                return
-            self._waiting_announced.discard(job["id"])
             try:
                 self._handles[job["id"]] = start_job(spec, job_id=job["id"])
             except ValueError as e:  # the name is still held by a coordinator Ray has not yet marked dead
                 log.warning("job %s not launched yet: %s", job["id"], e)
                 return
             self.store.mark_started(job["id"])
-        self._last_launch = time.monotonic()
+            self._reasons.pop(job["id"], None)
 
     def _handle(self, job_id: str) -> JobHandle | None:
         if not ray.is_initialized():

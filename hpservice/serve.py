@@ -32,6 +32,8 @@ def serve(
     docs: bool = True,
     num_cpus: int | None = None,
     num_gpus: int | None = None,
+    quotas_file: str | None = None,
+    backfill_bound_s: float = 600.0,
 ) -> int:
     if not ray_address:
         # Our own Ray head runs with Ray's token auth; Ray reads the mode once, at import.
@@ -40,7 +42,7 @@ def serve(
 
     from hpservice.api import Settings, create_app
     from hpservice.api.logs import redact_tokens
-    from hpservice.api.settings import load_tokens
+    from hpservice.api.settings import load_quotas, load_tokens
 
     settings = Settings(host=host, port=port, docs=docs)
     settings.model_factories = (*settings.model_factories, *allow_models)
@@ -49,8 +51,10 @@ def serve(
         settings.data_dir = Path(data_dir).expanduser()
     if ray_address:
         settings.ray_address = ray_address
+    settings.backfill_bound_s = backfill_bound_s
     try:
         settings.tokens = load_tokens(tokens_file)
+        settings.quotas = load_quotas(quotas_file or os.environ.get("HPSERVICE_QUOTAS_FILE"))
         settings.check_bind()
     except (ValueError, OSError) as e:
         print(f"hpservice serve: {e}", file=sys.stderr)

@@ -391,6 +391,16 @@ def new_run_id(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
+class SchedulingSpec(_Section):
+    priority: int | None = Field(
+        None,
+        ge=-1000,
+        le=1000,
+        description="queue priority on a server (higher starts first); null: the owner's default from the "
+        "operator's quotas (else 0)",
+    )
+
+
 class EvalSpec(_Section):
     """A validation loss on held-out data every ``interval`` steps (0: never)."""
 
@@ -424,6 +434,7 @@ class JobSpec(_Section):
     failure: FailureSpec = Field(default_factory=FailureSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
 
     def with_run(self, run_id: str | None = None) -> JobSpec:
         """This spec with its run decided: ``run_id`` (default: the spec's own, else a new one) and

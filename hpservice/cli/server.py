@@ -13,6 +13,18 @@ def add_parsers(sub) -> None:
     )
     serve.add_argument("--tokens-file", default=None, help="YAML {TOKEN: {owner, admin}}; also HPSERVICE_TOKENS")
     serve.add_argument(
+        "--quotas-file",
+        default=None,
+        help="YAML {OWNER or '*': {workers, gpus, priority}}: per-owner limits of concurrent workers and GPUs and "
+        "default job priority (also HPSERVICE_QUOTAS_FILE)",
+    )
+    serve.add_argument(
+        "--backfill-bound-s",
+        type=float,
+        default=600.0,
+        help="how long a queued job that does not fit may be overtaken by smaller jobs that do (default 600)",
+    )
+    serve.add_argument(
         "--allow-model",
         action="append",
         default=[],
@@ -59,4 +71,6 @@ def _serve(args) -> int:
         docs=not args.no_docs,
         num_cpus=args.num_cpus,
         num_gpus=args.num_gpus,
+        quotas_file=args.quotas_file,
+        backfill_bound_s=args.backfill_bound_s,
     )

@@ -126,15 +126,14 @@ def test_cancel_during_launch_is_one_transition(cluster, tmp_path, monkeypatch):
 
     monkeypatch.setattr(supervisor_module, "start_job", start_job)
     store.create_job("race-1", "s", "alice", SPEC, 100, None)
-    sup._launch_next(store.jobs_in(("QUEUED",)))
+    sup._schedule(store.jobs_in(("QUEUED",)))
     cancels[0].join(30)
     assert store.is_started("race-1") and handles[0].stops == 1  # launched, then asked to stop
     assert store.get_job("race-1")["state"] != "CANCELLED"  # the coordinator reports the cancel itself
 
     store.create_job("race-2", "s", "alice", SPEC, 100, None)
     sup.cancel(store.get_job("race-2"))  # the cancel first: never launched
-    sup._last_launch = 0.0
-    sup._launch_next(store.jobs_in(("QUEUED",)))
+    sup._schedule(store.jobs_in(("QUEUED",)))
     assert store.get_job("race-2")["state"] == "CANCELLED" and not store.is_started("race-2")
     assert len(handles) == 1
 
@@ -159,3 +158,29 @@ def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_pa
     _in_thread(sup.tick)
     assert [job_id for job_id, _ in launched] == ["kept-1"]
     assert launched[0][1].checkpoint.resume_from == "latest" and store.is_started("kept-1")
+
+
+def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_others_wait(
+    cluster, tmp_path, monkeypatch
+):
+    """On the 2-CPU local Ray, with alice's quota at 1 worker: carol's priority-10 job starts
+    first, then alice's oldest; alice's second waits at her quota, bob's for resources. Every
+    reason is in the job's history once, however many ticks repeat it."""
+    from hpservice.api.scheduler import Quota, Quotas
+
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    sup = Supervisor(store, quotas=Quotas({"alice": Quota(workers=1)}))
+    launched = []
+    monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id: launched.append(job_id) or object())
+    one = {**SPEC, "resources": {"workers": 1, "use_gpu": False}}
+    for job_id, owner, priority in (("a1", "alice", None), ("a2", "alice", None), ("b1", "bob", None), ("u", "carol", 10)):
+        store.create_job(job_id, "s", owner, {**one, "scheduling": {"priority": priority}}, 100, None)
+        time.sleep(0.01)  # distinct submission times
+    sup._schedule(store.jobs_in(("QUEUED",)))
+    assert launched == ["u", "a1"]
+    assert store.get_job("a2")["message"] == "waiting: owner alice at quota 1/1 workers (this job needs 1)"
+    assert store.get_job("b1")["message"].startswith("waiting for resources: needs 1 x 1 CPU")
+    history = len(store.get_job("b1")["history"])
+    for _ in range(3):
+        sup._schedule(store.jobs_in(("QUEUED",)))
+    assert launched == ["u", "a1"] and len(store.get_job("b1")["history"]) == history
