@@ -17,7 +17,7 @@ import time
 
 import ray
 
-from hpservice.jobs import TERMINAL_STATES
+from hpservice.jobs import COORDINATOR_ENDS
 
 from .coordinator import Coordinator, coordinator_name, worker_name
 from .nodes import HEAD_RESOURCE
@@ -101,10 +101,13 @@ class JobHandle:
     def checkpoints(self) -> list[dict]:
         return ray.get(self.coordinator.checkpoints.remote())
 
-    def stop(self, graceful: bool = True, deadline_s: float = 60.0, wait: bool = True) -> None:
-        """Ask the coordinator to stop; ``wait=False`` does not wait for it to take the request
-        (a frozen coordinator must not block the caller)."""
-        ref = self.coordinator.stop.remote(graceful, deadline_s)
+    def stop(
+        self, graceful: bool = True, deadline_s: float = 60.0, wait: bool = True, preempted_by: str | None = None
+    ) -> None:
+        """Ask the coordinator to stop (``preempted_by``: the reason, for a preemption, which ends
+        the run PREEMPTED); ``wait=False`` does not wait for it to take the request (a frozen
+        coordinator must not block the caller)."""
+        ref = self.coordinator.stop.remote(graceful, deadline_s, preempted_by)
         if wait:
             ray.get(ref)
 
@@ -112,7 +115,7 @@ class JobHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             status = self.status()
-            if status["state"] in TERMINAL_STATES:
+            if status["state"] in COORDINATOR_ENDS:
                 return status
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.job_id} still {status['state']} after {timeout:.0f} s")

@@ -33,7 +33,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hpservice.jobs import JobState
+from hpservice.jobs import COORDINATOR_ENDS, JobState
 
 from . import nodes, placement
 from .policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls
@@ -92,6 +92,7 @@ class Coordinator:
         self._restarts: list[dict] = []
         self._stop_requested = False
         self._stop_deadline_s = 60.0
+        self._preempted_by: str | None = None  # why the stop was asked, when it is a preemption
         self._workers: list = []
         self._pg = None
         self._plan: placement.PlacementPlan | None = None
@@ -205,11 +206,20 @@ class Coordinator:
             return list(self._checkpoints)
 
     # ---- control ----------------------------------------------------------------------------
-    def stop(self, graceful: bool = True, deadline_s: float = 60.0) -> None:
-        """Cancel: graceful asks the workers to finish the step and checkpoint first."""
+    def stop(self, graceful: bool = True, deadline_s: float = 60.0, preempted_by: str | None = None) -> None:
+        """Cancel: graceful asks the workers to finish the step and checkpoint first. With
+        ``preempted_by`` (the reason) the job ends this run PREEMPTED instead, to be resumed from
+        that checkpoint by a later coordinator."""
         with self._lock:
             self._stop_requested = True
             self._stop_deadline_s = deadline_s if graceful else 0.0
+            self._preempted_by = preempted_by
+
+    def _stopped(self, how: str) -> tuple[JobState, str]:
+        """The end of a run that was asked to stop: CANCELLED, or PREEMPTED with its reason."""
+        if self._preempted_by is not None:
+            return JobState.PREEMPTED, f"{self._preempted_by}; {how}"
+        return JobState.CANCELLED, how
 
     def shutdown(self) -> None:
         """End the coordinator (after a terminal state has been read)."""
@@ -228,7 +238,7 @@ class Coordinator:
             JobState.RUNNING: self._running,
             JobState.CANCELLING: self._running,  # the same supervision, the stop already sent
         }
-        while not self.state.is_terminal:
+        while self.state not in COORDINATOR_ENDS:
             state, message = handlers[self.state]()
             self._set_state(state, message)
         self._teardown()
@@ -242,7 +252,7 @@ class Coordinator:
         if why is not None:
             return JobState.FAILED, why
         if not self._reserve(r.workers, wait_s=None, waiting="waiting for resources"):
-            return JobState.CANCELLED, "cancelled while queued"
+            return self._stopped("cancelled while queued")
         return JobState.STARTING, "attempt 1"
 
     def _starting(self) -> tuple[JobState, str]:
@@ -277,7 +287,7 @@ class Coordinator:
         if self._reserve(self._size, wait_s=wait_s, waiting=f"waiting for capacity: {names} lost; need"):
             return None
         if self._stop_requested:
-            return JobState.CANCELLED, f"cancelled while waiting for capacity ({names} lost)"
+            return self._stopped(f"cancelled while waiting for capacity ({names} lost)")
         for n in self.spec.elastic_sizes():
             if n < self._size and self._reserve(n, wait_s=POLL_S * 4):  # room for n now, or try fewer
                 self._resized(n, f"{names} lost and no room for {self._size} workers within {wait_s:g} s")
@@ -299,7 +309,7 @@ class Coordinator:
         if not self._stop_requested and self._reserve(old, wait_s=wait_s, waiting="the room went away: waiting for"):
             return None
         if self._stop_requested:
-            return JobState.CANCELLED, "cancelled while growing back"
+            return self._stopped("cancelled while growing back")
         return JobState.FAILED, f"no room for {full} workers, nor for {old} again, within {wait_s:g} s"
 
     def _resized(self, workers: int, reason: str) -> None:
@@ -348,7 +358,7 @@ class Coordinator:
         as a restart), a restart, or the end (the policy decides)."""
         self._kill_workers()
         if self._stop_requested:
-            return JobState.CANCELLED, f"cancelled ({failure.reason})"
+            return self._stopped(f"cancelled ({failure.reason})")
         if failure.kind is FailureKind.NODE:
             self._lost_nodes = failure.lost_nodes
             self._node_losses.append({"time": time.time(), "reason": failure.reason, "nodes": list(failure.lost_nodes)})
@@ -462,16 +472,17 @@ class Coordinator:
                 raise _Failure(failure.reason, failure.kind)
             if all(p.done for p in polls):
                 if self._stop_requested:
-                    return JobState.CANCELLED, f"stopped gracefully at step {max(p.step for p in polls)}"
+                    return self._stopped(f"stopped gracefully at step {max(p.step for p in polls)}")
                 return JobState.SUCCEEDED, f"finished {spec.training.steps} steps"
             if self._stop_requested:
                 if self._stop_sent_at is None:
                     ray.get([w.request_stop.remote() for w in self._workers])
                     self._stop_sent_at = time.time()
-                    return JobState.CANCELLING, "finishing the current step and checkpointing"
+                    why = f"{self._preempted_by}: " if self._preempted_by else ""
+                    return JobState.CANCELLING, f"{why}finishing the current step and checkpointing"
                 if time.time() - self._stop_sent_at > self._stop_deadline_s:
                     self._kill_workers()
-                    return JobState.CANCELLED, f"killed after the {self._stop_deadline_s:g} s stop deadline"
+                    return self._stopped(f"killed after the {self._stop_deadline_s:g} s stop deadline")
                 continue
             step = min(p.step for p in polls)
             self._first_step = step if self._first_step is None else self._first_step

@@ -14,6 +14,10 @@ The rules, in order:
 4. **Backfill**: the first job that does not fit the free resources becomes the *blocker*;
    jobs after it may still start if they fit what is free, but only while the blocker has waited
    less than ``backfill_bound_s``. After that nothing overtakes it: the cluster drains for it.
+5. **Preemption**: when the blocker cannot fit, running jobs of lower priority are asked to
+   checkpoint and stop (lowest priority first, then the most recently queued, until enough
+   would be free, counting the jobs already stopping); they go back to the queue PREEMPTED and
+   resume from that checkpoint. Nothing is preempted when even that would not make room.
 
 Free resources are what the cluster has free minus what this pass starts; a job is the sum of
 its workers' CPUs and GPUs (the coordinator's placement group then places it, or waits, by node).
@@ -60,6 +64,7 @@ class JobDemand:
 class Decision:
     start: tuple[str, ...]  # in this order
     waiting: dict[str, str]  # job id -> why it waits
+    preempt: dict[str, str] = field(default_factory=dict)  # running job id -> why it is stopped
 
 
 def effective_priority(job: JobDemand, quotas: Quotas) -> int:
@@ -73,8 +78,10 @@ def decide(
     quotas: Quotas,
     now: float,
     backfill_bound_s: float = 600.0,
+    preempting: frozenset[str] = frozenset(),
 ) -> Decision:
-    """The jobs of ``queued`` to start now, and a reason for every other one (module doc)."""
+    """The jobs of ``queued`` to start now, a reason for every other one, and the running jobs
+    to preempt (module doc); ``preempting``: running jobs already asked to stop for one."""
     free = {"CPU": free.get("CPU", 0.0), "GPU": free.get("GPU", 0.0)}
     workers_of: dict[str, int] = {}
     gpus_of: dict[str, int] = {}
@@ -122,4 +129,35 @@ def decide(
         free["GPU"] -= gpus
         workers_of[job.owner] = used_w + job.workers
         gpus_of[job.owner] = used_g + job.workers * job.gpus
-    return Decision(tuple(start), waiting)
+    preempt: dict[str, str] = {}
+    if blocker is not None:
+        preempt = _victims(blocker, running, free, quotas, preempting)
+        if preempt:
+            waiting[blocker.id] = f"waiting for {', '.join(sorted(preempt))} to checkpoint and stop (preempted for it)"
+    return Decision(tuple(start), waiting, preempt)
+
+
+def _victims(
+    job: JobDemand, running: list[JobDemand], free: dict[str, float], quotas: Quotas, preempting: frozenset[str]
+) -> dict[str, str]:
+    """The running jobs to stop so that ``job`` fits (none if it would fit once the ones already
+    stopping are gone, or if stopping every lower-priority one would not be enough)."""
+    need = {"CPU": job.workers * job.cpus, "GPU": job.workers * job.gpus}
+    soon = dict(free)
+    for r in running:
+        if r.id in preempting:
+            soon["CPU"] += r.workers * r.cpus
+            soon["GPU"] += r.workers * r.gpus
+    if all(soon[k] + 1e-9 >= v for k, v in need.items()):
+        return {}
+    priority = effective_priority(job, quotas)
+    candidates = [r for r in running if r.id not in preempting and effective_priority(r, quotas) < priority]
+    candidates.sort(key=lambda r: (effective_priority(r, quotas), -r.queued_at, r.id))
+    chosen = {}
+    for r in candidates:
+        chosen[r.id] = f"preempted by job {job.id} (priority {priority} > {effective_priority(r, quotas)})"
+        soon["CPU"] += r.workers * r.cpus
+        soon["GPU"] += r.workers * r.gpus
+        if all(soon[k] + 1e-9 >= v for k, v in need.items()):
+            return chosen
+    return {}

@@ -234,6 +234,11 @@ class Store:
     def requeue(self, job_id: str, message: str) -> None:
         """Back to QUEUED, not launched: its coordinator is gone but its checkpoints are not."""
         self.set_state(job_id, JobState.QUEUED, message)
+        self.mark_not_started(job_id)
+
+    def mark_not_started(self, job_id: str) -> None:
+        """The job's coordinator has ended without ending the job (requeued, preempted): the
+        queue launches a new one."""
         with self._write, self.session() as s:
             row = s.get(JobRow, job_id)
             if row is not None:

@@ -36,7 +36,7 @@ import ray
 
 from hpservice.actors import NAMESPACE, JobHandle, start_job, worker_name
 from hpservice.actors.coordinator import cluster_fit
-from hpservice.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
+from hpservice.jobs import ACTIVE_STATES, COORDINATOR_ENDS, TERMINAL_STATES, WAITING_STATES, JobState
 from hpservice.spec import parse_job
 
 from .scheduler import JobDemand, Quotas, decide
@@ -79,6 +79,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reasons: dict[str, str] = {}  # queued job -> the reason it was last told it waits
+        self._preempting: set[str] = set()  # running jobs asked to stop for a higher-priority one
         self._specs: dict[str, object] = {}  # job -> its parsed spec (a job's spec never changes)
         self._lock = threading.RLock()  # launch, cancel and the handle table
 
@@ -160,21 +161,33 @@ class Supervisor:
                 continue
             demands[job["id"]] = self._demand(job, spec, cluster_gpus)
         running = [self._demand(j, self._spec_of(j), cluster_gpus) for j in jobs if j["started"]]
+        self._preempting &= {r.id for r in running}
         free = dict(ray.available_resources())
         for job, demand in zip([j for j in jobs if j["started"]], running, strict=True):
             if job["state"] == JobState.QUEUED:  # launched, its placement group maybe not placed yet
                 free["CPU"] = free.get("CPU", 0) - demand.workers * demand.cpus
                 free["GPU"] = free.get("GPU", 0) - demand.workers * demand.gpus
         decision = decide(
-            list(demands.values()), running, free, self.quotas, now=time.time(), backfill_bound_s=self.backfill_bound_s
+            list(demands.values()),
+            running,
+            free,
+            self.quotas,
+            now=time.time(),
+            backfill_bound_s=self.backfill_bound_s,
+            preempting=frozenset(self._preempting),
         )
+        for job_id, reason in decision.preempt.items():
+            handle = self._handle(job_id)
+            if handle is not None:  # it checkpoints, stops, and comes back PREEMPTED (see _store_answer)
+                handle.stop(graceful=True, deadline_s=60, wait=False, preempted_by=reason)
+                self._preempting.add(job_id)
         by_id = {j["id"]: j for j in queued}
         for job_id in decision.start:
             self._launch(by_id[job_id])
         for job_id, reason in decision.waiting.items():
             if self._reasons.get(job_id) != reason:  # each new reason once, in the job's history
                 self._reasons[job_id] = reason
-                self.store.set_state(job_id, JobState.QUEUED, reason)
+                self.store.set_state(job_id, by_id[job_id]["state"], reason)  # QUEUED or PREEMPTED
         active = {j["id"] for j in jobs}
         for cache in (self._reasons, self._specs):
             for job_id in [k for k in cache if k not in active]:
@@ -199,7 +212,7 @@ class Supervisor:
         if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
         with self._lock:
-            if (self.store.get_job(job["id"]) or {}).get("state") != JobState.QUEUED or self.store.is_started(job["id"]):
+            if (self.store.get_job(job["id"]) or {}).get("state") not in WAITING_STATES or self.store.is_started(job["id"]):
                 return  # cancelled (or launched) meanwhile
             try:
                 self._handles[job["id"]] = start_job(spec, job_id=job["id"])
@@ -281,7 +294,10 @@ class Supervisor:
         self.store.add_logs(job_id, lines)
         status = update["status"]
         self.store.update_status(job_id, status)
-        if status["state"] in TERMINAL_STATES:
+        if status["state"] == JobState.PREEMPTED:  # checkpointed and stopped: back to the queue
+            self.store.mark_not_started(job_id)
+            self._preempting.discard(job_id)
+        if status["state"] in COORDINATOR_ENDS:
             with self._lock:
                 self._handles.pop(job_id, None)
             request.handle.shutdown()

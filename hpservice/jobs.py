@@ -17,6 +17,7 @@ class JobState(enum.StrEnum):
     RUNNING = "RUNNING"
     RESTARTING = "RESTARTING"  # an attempt failed; the next one starts from the latest checkpoint
     CANCELLING = "CANCELLING"  # asked to stop: finishing the step, checkpointing
+    PREEMPTED = "PREEMPTED"  # stopped after a checkpoint for a higher-priority job; queued to resume from it
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -33,6 +34,9 @@ class JobState(enum.StrEnum):
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 ACTIVE_STATES = tuple(s for s in JobState if s not in TERMINAL_STATES)
+WAITING_STATES = (JobState.QUEUED, JobState.PREEMPTED)  # not launched: the queue decides when they start
+# where one coordinator's run ends: the job's end, or a preemption (a new coordinator resumes it)
+COORDINATOR_ENDS = TERMINAL_STATES | {JobState.PREEMPTED}
 
 _S = JobState
 # Every move a job can make. A live job may always fail or be cancelled (its coordinator or its
@@ -43,7 +47,8 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.STARTING: frozenset({_S.STARTING, _S.RUNNING, _S.RESTARTING}),
     _S.RUNNING: frozenset({_S.RUNNING, _S.RESTARTING, _S.CANCELLING, _S.SUCCEEDED}),
     _S.RESTARTING: frozenset({_S.RESTARTING, _S.RUNNING}),
-    _S.CANCELLING: frozenset({_S.CANCELLING}),
+    _S.CANCELLING: frozenset({_S.CANCELLING, _S.PREEMPTED}),
+    _S.PREEMPTED: frozenset({_S.PREEMPTED, _S.STARTING}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
     _S.CANCELLED: frozenset(),

@@ -235,3 +235,45 @@ def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_lo
     assert sorted(by_step) == list(range(1, steps + 1))
     diff = max(abs(by_step[s] - expected[s - 1]) for s in range(1, steps + 1))
     assert diff < 1e-5, diff
+
+
+def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(ranks, tmp_path):
+    """One 2-CPU node. alice's priority-0 job runs; bob submits a priority-10 job that needs the
+    whole node: alice's is asked to checkpoint and stop, goes back to the queue PREEMPTED, bob's
+    runs, then alice's resumes from its checkpoint. Its loss at every step is bitwise the
+    undisturbed run's."""
+    from hpservice.api.store import Store
+    from hpservice.api.supervisor import Supervisor
+
+    steps = 300
+    low = _spec(tmp_path / "low", "low", training={"steps": steps}, checkpoint={"interval": 10, "keep": 2})
+    high = _spec(tmp_path / "high", "high", training={"steps": 10}, scheduling={"priority": 10})
+    with simulated_cluster({"num_cpus": 2}):
+        store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
+        supervisor = Supervisor(store, poll_interval_s=0.2)
+        store.create_job("low-0001", "low", "alice", low.model_dump(mode="json", by_alias=True), steps, None)
+        supervisor.start()
+        try:
+            _wait(lambda: (j := store.get_job("low-0001"))["state"] == "RUNNING" and j["step"] >= 5, "low running")
+            store.create_job("high-0001", "high", "bob", high.model_dump(mode="json", by_alias=True), 10, None)
+            ended = ("SUCCEEDED", "FAILED", "CANCELLED")
+            final = _wait(
+                lambda: all(store.get_job(i)["state"] in ended for i in ("low-0001", "high-0001")), "both ended", timeout=300
+            )
+        finally:
+            supervisor.stop()
+        assert final
+        low_job, high_job = store.get_job("low-0001"), store.get_job("high-0001")
+        records = store.metrics("low-0001", 0)
+    assert low_job["state"] == "SUCCEEDED" and high_job["state"] == "SUCCEEDED", (low_job, high_job)
+    low_history = [(h["state"], h["message"]) for h in low_job["history"]]
+    assert ("CANCELLING", "preempted by job high-0001 (priority 10 > 0): finishing the current step and checkpointing") in low_history
+    preempted = [m for s, m in low_history if s == "PREEMPTED"]
+    assert preempted and preempted[0].startswith("preempted by job high-0001 (priority 10 > 0); stopped gracefully at step")
+    assert any(h["message"] == "waiting for low-0001 to checkpoint and stop (preempted for it)" for h in high_job["history"])
+    ends = {j["id"]: next(h["time"] for h in j["history"] if h["state"] == "SUCCEEDED") for j in (low_job, high_job)}
+    assert ends["high-0001"] < ends["low-0001"]
+    expected = ranks(2).run(_torchrun_losses, _spec(tmp_path / "ref", "low", training={"steps": steps}))[0]
+    by_step = {r["step"]: r["loss"] for r in records}
+    assert sorted(by_step) == list(range(1, steps + 1))
+    assert [by_step[s] for s in range(1, steps + 1)] == expected

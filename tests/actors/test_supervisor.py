@@ -44,7 +44,7 @@ class FakeCoordinator:
         self.lines.append({"seq": n, "rank": 0, "step": self.step, "time": time.time(), "line": f"line {n}"})
         return [line for line in self.lines if line["seq"] > since_seq]
 
-    def stop(self, graceful, deadline_s):
+    def stop(self, graceful, deadline_s, preempted_by=None):
         self.stops += 1
 
     def stop_requests(self):

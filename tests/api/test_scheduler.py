@@ -90,3 +90,20 @@ def test_the_operators_quotas_file_is_strict(tmp_path):
         bad.write_text(text)
         with pytest.raises(ValueError, match=re.escape(message)):
             load_quotas(str(bad))
+
+
+def test_a_higher_priority_job_that_cannot_fit_preempts_the_lowest_priority_youngest_running_jobs():
+    running = [job("low-old", workers=2, priority=0, at=0), job("low-young", workers=2, priority=0, at=5),
+               job("mid", workers=2, priority=5, at=1)]  # fmt: skip
+    urgent = job("urgent", workers=2, priority=10, at=9)
+    d = decide([urgent], running, {"CPU": 0}, Quotas(), now=10)
+    assert d.start == () and d.preempt == {"low-young": "preempted by job urgent (priority 10 > 0)"}
+    assert d.waiting["urgent"] == "waiting for low-young to checkpoint and stop (preempted for it)"
+    # while that one stops, nothing more is preempted
+    d = decide([urgent], running, {"CPU": 0}, Quotas(), now=11, preempting=frozenset({"low-young"}))
+    assert d.preempt == {} and d.start == ()
+    # a job of equal priority preempts nobody, nor one that would not fit even then
+    assert decide([job("same", workers=2, priority=0, at=9)], running, {"CPU": 0}, Quotas(), now=10).preempt == {}
+    assert decide([job("huge", workers=9, priority=10, at=9)], running, {"CPU": 0}, Quotas(), now=10).preempt == {}
+    d = decide([job("big", workers=4, priority=10, at=9)], running, {"CPU": 0}, Quotas(), now=10)
+    assert set(d.preempt) == {"low-young", "low-old"}
