@@ -26,9 +26,12 @@ from sqlalchemy import (
     event,
     func,
     inspect,
+    or_,
     select,
     text,
+    update,
 )
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from hpservice.jobs import JobState
@@ -97,6 +100,16 @@ class EventRow(Base):
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(16))
     data_json: Mapped[str] = mapped_column(Text)
+
+
+class LeaseRow(Base):
+    """Who holds a lease (the supervisor's: one replica of the server launches and follows jobs)
+    and until when."""
+
+    __tablename__ = "leases"
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(120))
+    expires_at: Mapped[float] = mapped_column(Float)
 
 
 class HeartbeatRow(Base):
@@ -249,6 +262,43 @@ class Store:
         with self._write, self.session() as s:
             row = s.get(JobRow, job_id)
             row.started = 1
+            s.commit()
+
+    def claim_launch(self, job_id: str) -> bool:
+        """Mark the job launched if nobody has (one atomic UPDATE): True for the one caller that
+        may start its coordinator, whichever replica or thread asks at the same time."""
+        with self._write, self.session() as s:
+            result = s.execute(update(JobRow).where(JobRow.id == job_id, JobRow.started == 0).values(started=1))
+            s.commit()
+            return result.rowcount == 1
+
+    def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew lease ``name`` for ``holder`` for ``ttl_s`` seconds: True while
+        ``holder`` has it. One atomic UPDATE (held by ``holder``, or expired), else the first
+        INSERT; the database orders competing replicas."""
+        now = time.time()
+        with self._write, self.session() as s:
+            taken = s.execute(
+                update(LeaseRow)
+                .where(LeaseRow.name == name, or_(LeaseRow.holder == holder, LeaseRow.expires_at < now))
+                .values(holder=holder, expires_at=now + ttl_s)
+            )
+            if taken.rowcount == 1:
+                s.commit()
+                return True
+            if s.get(LeaseRow, name) is not None:
+                return False
+            s.add(LeaseRow(name=name, holder=holder, expires_at=now + ttl_s))
+            try:
+                s.commit()
+            except IntegrityError:  # another replica inserted it first
+                s.rollback()
+                return False
+            return True
+
+    def release_lease(self, name: str, holder: str) -> None:
+        with self._write, self.session() as s:
+            s.execute(delete(LeaseRow).where(LeaseRow.name == name, LeaseRow.holder == holder))
             s.commit()
 
     def update_status(self, job_id: str, status: dict) -> None:

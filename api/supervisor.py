@@ -17,6 +17,12 @@ One background thread, every ``poll_interval_s``:
    coordinator that has not answered for ``POLL_TIMEOUT_S`` is marked unhealthy in the job's
    message until it answers again. A job that ended has its coordinator shut down.
 
+Replicas: several servers may share one database; only the one holding the ``supervisor`` lease
+in the store (renewed every tick, ``LEASE_TTL_S``) runs the loop above, and a job is launched only
+by the caller whose atomic claim (``Store.claim_launch``) marked it started, so no job starts twice
+even while a lease changes hands. A replica that stops releases the lease; one that is killed is
+replaced when its lease expires, and the new leader re-attaches to every coordinator by name.
+
 On start it finds the launched, unfinished jobs in the store and re-attaches to their
 coordinators by name, then back-fills the metrics that came in meanwhile (the coordinator keeps
 them in its buffer). If the coordinator is gone (the Ray cluster restarted), a job with a
@@ -28,8 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -45,6 +54,8 @@ from .store import Store
 log = logging.getLogger("hpservice.api.supervisor")
 
 POLL_TIMEOUT_S = 30.0  # a coordinator that has not answered this long is unhealthy
+SUPERVISOR_LEASE = "supervisor"  # held by the one replica that launches and follows jobs
+LEASE_TTL_S = 10.0  # a replica that stopped renewing it (killed) is replaced after this long
 
 
 @dataclass
@@ -68,10 +79,14 @@ class Supervisor:
         *,
         quotas: Quotas | None = None,
         backfill_bound_s: float = 600.0,
+        lease_ttl_s: float = LEASE_TTL_S,
     ):
         self.store = store
         self.quotas = quotas or Quotas()
         self.backfill_bound_s = backfill_bound_s
+        self.lease_ttl_s = lease_ttl_s
+        self.replica = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.is_leader = False
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self._handles: dict[str, JobHandle] = {}
@@ -117,10 +132,25 @@ class Supervisor:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.tick()
+                leader = self.store.hold_lease(SUPERVISOR_LEASE, self.replica, self.lease_ttl_s)
+                if leader:
+                    self.tick()
+                elif self.is_leader:
+                    self._step_down()
+                self.is_leader = leader
             except Exception:  # keep supervising whatever one tick met
                 log.exception("supervisor tick failed")
             self._stop.wait(self.poll_interval_s)
+        with contextlib.suppress(Exception):  # a stopped replica hands over at once, not after the ttl
+            self.store.release_lease(SUPERVISOR_LEASE, self.replica)
+
+    def _step_down(self) -> None:
+        """Another replica holds the lease now: forget what this one was following."""
+        with self._lock:
+            self._handles.clear()
+        self._requests.clear()
+        self._preempting.clear()
+        self._reasons.clear()
 
     def tick(self) -> None:
         jobs = self.store.jobs_in(ACTIVE_STATES)
@@ -212,14 +242,19 @@ class Supervisor:
         if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
         with self._lock:
-            if (self.store.get_job(job["id"]) or {}).get("state") not in WAITING_STATES or self.store.is_started(job["id"]):
-                return  # cancelled (or launched) meanwhile
+            if (self.store.get_job(job["id"]) or {}).get("state") not in WAITING_STATES:
+                return  # cancelled meanwhile
+            if not self.store.claim_launch(job["id"]):
+                return  # launched meanwhile (by a replica whose lease this one took over)
             try:
                 self._handles[job["id"]] = start_job(spec, job_id=job["id"])
             except ValueError as e:  # the name is still held by a coordinator Ray has not yet marked dead
+                self.store.mark_not_started(job["id"])
                 log.warning("job %s not launched yet: %s", job["id"], e)
                 return
-            self.store.mark_started(job["id"])
+            except BaseException:
+                self.store.mark_not_started(job["id"])
+                raise
             self._reasons.pop(job["id"], None)
 
     def _handle(self, job_id: str) -> JobHandle | None:

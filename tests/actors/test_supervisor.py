@@ -33,9 +33,10 @@ class FakeCoordinator:
     def poll(self, since_step):
         if self.frozen:
             time.sleep(3600)
-        self.step += 1
+        self.step += 1  # one step per poll; like the real one it keeps every record for late pollers
         status = {"state": "RUNNING", "message": f"at {self.step}", "step": self.step, "restarts": 0, "history": []}
-        return {"records": [{"step": self.step, "loss": 1.0 / self.step}], "status": status}
+        records = [{"step": s, "loss": 1.0 / s} for s in range(since_step + 1, self.step + 1)]
+        return {"records": records, "status": status}
 
     def logs(self, rank, tail, since, since_seq):
         if self.frozen:
@@ -184,3 +185,44 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
     for _ in range(3):
         sup._schedule(store.jobs_in(("QUEUED",)))
     assert launched == ["u", "a1"] and len(store.get_job("b1")["history"]) == history
+
+
+def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_metric_gap(cluster, tmp_path, monkeypatch):
+    """Two supervisors (two server replicas) on one database: one holds the lease and launches the
+    job, once; when it is killed (it never releases the lease) the other takes over after the
+    lease's ttl, re-attaches to the coordinator by name and stores every step."""
+    from hpservice.actors import JobHandle
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    launches = []
+
+    def start_job(spec, job_id):
+        launches.append(job_id)
+        actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice").remote(False)
+        ray.get(actor.stop_requests.remote(), timeout=60)
+        return JobHandle(job_id, actor)
+
+    monkeypatch.setattr(supervisor_module, "start_job", start_job)
+    store = Store(url)
+    store.create_job("two-1", "s", "alice", {**SPEC, "resources": {"workers": 1, "use_gpu": False}}, 100, None)
+    replicas = [Supervisor(Store(url), poll_interval_s=0.1, lease_ttl_s=2.0) for _ in range(2)]
+    for r in replicas:
+        r.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (store.get_job("two-1")["step"] < 5 or not any(r.is_leader for r in replicas)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leader, other = sorted(replicas, key=lambda r: not r.is_leader)
+        assert leader.is_leader and not other.is_leader and launches == ["two-1"]
+        monkeypatch.setattr(leader.store, "release_lease", lambda *a: None)  # killed: it hands nothing over
+        leader.stop()
+        step = store.get_job("two-1")["step"]
+        while (not other.is_leader or store.get_job("two-1")["step"] < step + 5) and time.monotonic() < deadline + 60:
+            time.sleep(0.1)
+        assert other.is_leader and store.get_job("two-1")["step"] >= step + 5
+    finally:
+        for r in replicas:
+            r.stop()
+    assert launches == ["two-1"]  # never twice
+    steps = [r["step"] for r in store.metrics("two-1", 0)]
+    assert steps == list(range(1, len(steps) + 1))  # no gap at the hand-over
