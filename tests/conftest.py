@@ -44,3 +44,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for this test session (tests/_postgres.py), stopped at the end."""
+    from tests._postgres import PostgresServer, postgres_bindir
+
+    bindir = postgres_bindir()
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        bindir = None
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql; pip install psycopg[binary]): .ci/run has both")
+    server = PostgresServer(bindir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """The store's database for one test: a SQLite file, or a fresh database on the session's
+    PostgreSQL; tests that take it run on both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    return request.getfixturevalue("postgres").new_database()

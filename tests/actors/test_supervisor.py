@@ -187,13 +187,15 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
     assert launched == ["u", "a1"] and len(store.get_job("b1")["history"]) == history
 
 
-def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_metric_gap(cluster, tmp_path, monkeypatch):
-    """Two supervisors (two server replicas) on one database: one holds the lease and launches the
-    job, once; when it is killed (it never releases the lease) the other takes over after the
-    lease's ttl, re-attaches to the coordinator by name and stores every step."""
+def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_metric_gap(
+    cluster, store_url, monkeypatch
+):
+    """Two supervisors (two server replicas) on one database, SQLite and PostgreSQL: one holds the
+    lease and launches the job, once; when it is killed (it never releases the lease) the other
+    takes over after the lease's ttl, re-attaches to the coordinator by name and stores every step."""
     from hpservice.actors import JobHandle
 
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    url = store_url
     launches = []
 
     def start_job(spec, job_id):
