@@ -211,9 +211,12 @@ class Coordinator:
         ``preempted_by`` (the reason) the job ends this run PREEMPTED instead, to be resumed from
         that checkpoint by a later coordinator."""
         with self._lock:
+            if preempted_by is None:
+                self._preempted_by = None  # a cancel wins over a preemption asked before it
+            elif not self._stop_requested:
+                self._preempted_by = preempted_by  # ... and a preemption never turns a cancel into a requeue
             self._stop_requested = True
             self._stop_deadline_s = deadline_s if graceful else 0.0
-            self._preempted_by = preempted_by
 
     def _stopped(self, how: str) -> tuple[JobState, str]:
         """The end of a run that was asked to stop: CANCELLED, or PREEMPTED with its reason."""
@@ -228,7 +231,8 @@ class Coordinator:
 
     # ---- supervision: one handler per live state -------------------------------------------
     def run(self) -> str:
-        """Run the job to a terminal state; returns it. Each live state has a handler that does
+        """Run the job until this coordinator's part ends (a terminal state, or PREEMPTED: a later
+        coordinator resumes it); returns that state. Each live state has a handler that does
         that state's work and returns the next state with its message (``TRANSITIONS`` says
         which moves exist; ``_set_state`` refuses any other)."""
         handlers = {

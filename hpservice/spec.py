@@ -278,8 +278,11 @@ class ParallelismSpec(_Section):
         return self.dp_replicate, shard
 
 
+MAX_WORKERS = 100_000  # more than any cluster has; bounds the work of checking elastic sizes
+
+
 class ResourcesSpec(_Section):
-    workers: int = Field(1, ge=1, description="training workers (one per GPU, or per CPU slot)")
+    workers: int = Field(1, ge=1, le=MAX_WORKERS, description="training workers (one per GPU, or per CPU slot)")
     use_gpu: Literal["auto"] | bool = Field(
         "auto", description="a GPU per worker: true, false, or auto (when the cluster has one for every worker)"
     )
@@ -287,6 +290,7 @@ class ResourcesSpec(_Section):
     min_workers: int | None = Field(
         None,
         ge=1,
+        le=MAX_WORKERS,
         description="elastic: when a node is lost and no room for every worker comes back within "
         "failure.capacity_wait_s, go on with as few as this many (same global batch: more gradient accumulation), "
         "and grow back to workers at the next checkpoint once there is room; null: always all workers",

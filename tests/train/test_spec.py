@@ -220,3 +220,8 @@ def test_min_workers_is_checked_before_anything_starts():
     assert "resources.min_workers: 3 workers: data-parallel size 3 does not divide 8" in str(e.value)
     assert "(sizes it can shrink to: 4)" in str(e.value)
     check_world(parse_job({"name": "e", "resources": {"workers": 8, "min_workers": 4}}))
+    # bounded work: checking the elastic sizes of the largest allowed job is a fraction of a second,
+    # and a larger one is refused (the fuzzer found a submit that checked a billion sizes)
+    check_world(parse_job({"name": "e", "resources": {"workers": 100_000, "min_workers": 1}}))
+    with pytest.raises(SpecError, match="less than or equal to 100000"):
+        parse_job({"name": "e", "resources": {"workers": 10**9, "min_workers": 1}})
