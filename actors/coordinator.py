@@ -60,10 +60,12 @@ class _Failure(Exception):
         self.failure = AttemptFailure(kind, reason, lost_nodes)
 
 
-def cluster_fit(spec, gpus: int) -> str | None:
+def cluster_fit(spec, gpus: int, alive: list[dict] | None = None) -> str | None:
     """None if ``spec``'s workers (``gpus`` each) can ever be placed on this cluster's live nodes
-    as its placement asks, else why not and how to make it fit (``placement.infeasible``)."""
-    return placement.infeasible(placement.plan_placement(spec, gpus), nodes.alive_resources(), spec)
+    (``alive``: their resources, read once by a caller checking many jobs) as its placement asks,
+    else why not and how to make it fit (``placement.infeasible``)."""
+    alive = nodes.alive_resources() if alive is None else alive
+    return placement.infeasible(placement.plan_placement(spec, gpus), alive, spec)
 
 
 def attempt_spec(spec, resume: bool, gpus: int):

@@ -45,6 +45,7 @@ import ray
 
 from hpservice.actors import NAMESPACE, JobHandle, start_job, worker_name
 from hpservice.actors.coordinator import cluster_fit
+from hpservice.actors.nodes import alive_resources
 from hpservice.jobs import ACTIVE_STATES, COORDINATOR_ENDS, TERMINAL_STATES, WAITING_STATES, JobState
 from hpservice.spec import parse_job
 
@@ -180,10 +181,11 @@ class Supervisor:
         if not queued:
             return
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        alive = alive_resources()  # once per tick, however long the queue
         demands = {}
         for job in queued:
             spec = self._spec_of(job)
-            why = cluster_fit(spec, spec.resources.gpus_per_worker(cluster_gpus))
+            why = cluster_fit(spec, spec.resources.gpus_per_worker(cluster_gpus), alive)
             if why is not None:
                 with self._lock:
                     if not self.store.is_started(job["id"]):
