@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hpservice.jobs import COORDINATOR_ENDS, JobState
 
 from . import nodes, placement
-from .policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls
+from .policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls, preemption_after_stop
 from .worker import TrainWorker
 
 METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted
@@ -213,10 +213,7 @@ class Coordinator:
         ``preempted_by`` (the reason) the job ends this run PREEMPTED instead, to be resumed from
         that checkpoint by a later coordinator."""
         with self._lock:
-            if preempted_by is None:
-                self._preempted_by = None  # a cancel wins over a preemption asked before it
-            elif not self._stop_requested:
-                self._preempted_by = preempted_by  # ... and a preemption never turns a cancel into a requeue
+            self._preempted_by = preemption_after_stop(self._stop_requested, self._preempted_by, preempted_by)
             self._stop_requested = True
             self._stop_deadline_s = deadline_s if graceful else 0.0
 

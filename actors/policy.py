@@ -90,3 +90,12 @@ class RestartPolicy:
         if failure.kind is FailureKind.CONFIG:
             return f"the job's spec cannot run (not retried): {failure.reason}"
         return failure.reason
+
+
+def preemption_after_stop(already_stopping: bool, preempted_by: str | None, asked: str | None) -> str | None:
+    """Whether a run asked to stop ends PREEMPTED (the reason) or CANCELLED (None), after one
+    more stop request ``asked`` (a preemption's reason, or None for a cancel): a cancel always
+    wins, and a preemption asked after a cancel never turns it into a requeue."""
+    if asked is None:
+        return None
+    return preempted_by if already_stopping else asked

@@ -202,6 +202,16 @@ def test_a_config_error_fails_at_once_naming_every_rank(cluster, tmp_path):
     _finish(handle)
 
 
+def test_a_cancel_wins_over_a_preemption_whichever_came_first():
+    from hpservice.actors.policy import preemption_after_stop
+
+    why = "preempted by job x (priority 10 > 0)"
+    assert preemption_after_stop(False, None, why) == why  # preempted
+    assert preemption_after_stop(True, why, None) is None  # then cancelled: CANCELLED
+    assert preemption_after_stop(True, None, why) is None  # cancelled, then preempted: still CANCELLED
+    assert preemption_after_stop(True, why, "another reason") == why  # the first preemption's reason stays
+
+
 def test_failures_are_grouped_by_message_and_classified():
     from hpservice.actors.policy import FailureKind, RestartPolicy, WorkerPoll, failure_from_polls
 
