@@ -76,6 +76,11 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     resume = spec.checkpoint.resume_from
     if resume not in (None, "latest"):
         resume = _checkpoint_input(resume, principal, home, settings, errors, "checkpoint.resume_from")
+    priority, limit = spec.scheduling.priority, settings.quotas.of(principal.owner).priority
+    if priority is not None and priority > limit and not principal.admin:
+        # a tenant's own priority would let it preempt everyone else's jobs
+        errors.append(("scheduling.priority", f"{priority} is above {limit}, the highest the operator allows owner "
+                       f"{principal.owner} (their quotas file's priority)"))  # fmt: skip
     if spec.metrics.wandb is not None and spec.metrics.wandb.mode != "offline":
         errors.append(("metrics.wandb.mode", "only 'offline' on this server: jobs write their W&B runs in their own directory"))
     if spec.metrics.mlflow is not None and spec.metrics.mlflow.tracking_uri is not None:

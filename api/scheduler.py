@@ -5,7 +5,9 @@ tests and ``bench scheduler`` call it directly).
 The rules, in order:
 
 1. **Priority**: a job's ``scheduling.priority``, else its owner's default (the operator's
-   quotas file), else 0. Higher goes first.
+   quotas file), else 0. Higher goes first. The owner's default is also the highest a job of
+   theirs may ask for (``api/policy.admit``; admins excepted): a tenant cannot raise its own
+   priority to preempt others.
 2. **Quota**: an owner's running workers (and GPUs) plus the job's must stay within the
    operator's quota for that owner (or ``*``, everyone's); a job that would exceed it waits,
    saying so ("waiting: owner alice at quota 4/4 workers"), and blocks nobody else.
@@ -32,7 +34,8 @@ EVERYONE = "*"
 
 @dataclass(frozen=True)
 class Quota:
-    """The operator's limits for one owner (None: no limit) and its jobs' default priority."""
+    """The operator's limits for one owner (None: no limit) and its jobs' default (and highest)
+    priority."""
 
     workers: int | None = None
     gpus: int | None = None

@@ -201,3 +201,16 @@ def test_tracking_sinks_stay_inside_the_job(tmp_path):
         _rejected(c, _spec(metrics={"wandb": {"mode": "online"}}), "metrics.wandb.mode", "only 'offline'")
         ok = c.post("/v1/jobs", json=_spec(metrics={"mlflow": {}, "wandb": {}}), headers=_auth(ALICE))
         assert ok.status_code == 201, ok.text
+
+
+def test_a_tenant_cannot_raise_its_own_priority_above_what_the_operator_allows(tmp_path):
+    """A self-assigned priority would preempt every other owner's jobs: a job may ask for at most
+    its owner's priority from the quotas file (0 without one); admins may ask for any."""
+    from hpservice.api.scheduler import Quota, Quotas
+
+    with _client(tmp_path, quotas=Quotas({"bob": Quota(priority=5)})) as c:
+        _rejected(c, _spec(scheduling={"priority": 1000}), "scheduling.priority", "1000 is above 0, the highest")
+        _rejected(c, _spec(scheduling={"priority": 6}), "scheduling.priority", "6 is above 5", token=BOB)
+        for token, priority in ((ALICE, -5), (ALICE, 0), (BOB, 5), (ADMIN, 1000)):
+            r = c.post("/v1/jobs", json=_spec(scheduling={"priority": priority}), headers=_auth(token))
+            assert r.status_code == 201, (token, priority, r.text)
