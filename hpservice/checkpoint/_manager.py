@@ -208,9 +208,14 @@ class CheckpointManager:
         """Every rank sees a file rank 0 wrote under ``root``, or ``CheckpointStorageError``
         on every rank (see the module doc)."""
         marker = self.root / f".hp-shared-{self._broadcast(uuid.uuid4().hex)}"
+        wrote = True
         if _rank() == 0:
-            marker.write_text(_host())
-        self._barrier()
+            try:
+                marker.write_text(_host())
+            except OSError:  # a root this job only reads (a resume_from input): nothing is committed there
+                wrote = False
+        if not self._broadcast(wrote):  # every rank learns it after the write, or nobody waits
+            return
         blind = self._ranks_without(marker.is_file())
         if _rank() == 0:
             marker.unlink(missing_ok=True)

@@ -88,3 +88,28 @@ def test_resume_from_latest_is_rank0s_checkpoint_and_every_rank_must_see_it(rank
     messages = ranks(2).run(_resume_where_rank1_sees_nothing, str(tmp_path))
     assert messages[0] == messages[1]
     assert "rank 0 resumes from step 1" in messages[0] and "rank 1 (on " in messages[0]
+
+
+
+def _read_only_root(root):
+    model = _model((2,))
+    CheckpointManager(root).save(1, model)
+    original = Path.write_text
+    if dist.get_rank() == 0:  # a root this job only reads (root itself writes anywhere: refuse it here)
+
+        def refuse(path, *a, **k):
+            if path.name.startswith(".hp-shared-"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return original(path, *a, **k)
+
+        Path.write_text = refuse
+    try:
+        again = CheckpointManager(root)  # as a resume_from input
+        again.load(model, step=1)
+    finally:
+        Path.write_text = original
+    return True
+
+
+def test_a_checkpoint_root_rank0_cannot_write_loads_without_any_rank_waiting(ranks, tmp_path):
+    assert ranks(2).run(_read_only_root, str(tmp_path)) == [True, True]
