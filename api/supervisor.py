@@ -96,6 +96,7 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self._reasons: dict[str, str] = {}  # queued job -> the reason it was last told it waits
         self._preempting: set[str] = set()  # running jobs asked to stop for a higher-priority one
+        self._unlaunched: set[str] = set()  # jobs this tick sent back to the queue (no coordinator to ask)
         self._specs: dict[str, object] = {}  # job -> its parsed spec (a job's spec never changes)
         self._lock = threading.RLock()  # launch, cancel and the handle table
 
@@ -155,6 +156,7 @@ class Supervisor:
 
     def tick(self) -> None:
         jobs = self.store.jobs_in(ACTIVE_STATES)
+        self._unlaunched.clear()
         self._schedule(jobs)
         self._collect()
         now = time.monotonic()
@@ -163,8 +165,8 @@ class Supervisor:
                 continue
             request = self._requests.get(job["id"])
             if request is None:
-                if not self.store.is_started(job["id"]):
-                    continue  # requeued by an answer collected in this tick
+                if job["id"] in self._unlaunched:
+                    continue  # requeued or preempted by an answer collected in this tick
                 self._ask(job)
             elif not request.overdue and now - request.issued > self.poll_timeout_s:
                 request.overdue = True
@@ -298,6 +300,7 @@ class Supervisor:
         if job["checkpoints"]:
             step = job["checkpoints"][-1]["step"]
             self.store.requeue(job_id, f"requeued: {why}; it resumes from its checkpoint of step {step}")
+            self._unlaunched.add(job_id)
         else:
             self.store.set_state(job_id, JobState.FAILED, f"coordinator lost: {why}; no checkpoint to resume from")
 
@@ -334,6 +337,7 @@ class Supervisor:
         if status["state"] == JobState.PREEMPTED:  # checkpointed and stopped: back to the queue
             self.store.mark_not_started(job_id)
             self._preempting.discard(job_id)
+            self._unlaunched.add(job_id)
         if status["state"] in COORDINATOR_ENDS:
             with self._lock:
                 self._handles.pop(job_id, None)
