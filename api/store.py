@@ -4,8 +4,14 @@ Three tables: ``jobs`` (one row per job: spec, state, progress, history), ``metr
 per (job, step); a step re-run after a restart replaces its row) and ``events`` (the ordered
 event log that Server-Sent Events replay: a per-job sequence number is the SSE id).
 
-Writes go through one lock: SQLite allows one writer at a time, and serialising in the process
-avoids "database is locked" under bursts of concurrent submissions.
+Several server replicas may share one database (PostgreSQL). Every write that reads before it
+writes (an event's sequence number, a job's history) first locks the job's row (``SELECT ... FOR
+UPDATE``), so two replicas writing to one job at the same moment take turns instead of one
+failing or losing the other's entry. On SQLite a write transaction starts with ``BEGIN
+IMMEDIATE`` (the database-wide write lock) for the same reason, and writes in one process also
+go through one lock, which avoids "database is locked" under bursts of concurrent submissions.
+
+The schema is Alembic's (``api/migrations``): opening a store upgrades it to the newest revision.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Float,
     Integer,
     String,
@@ -25,16 +34,14 @@ from sqlalchemy import (
     delete,
     event,
     func,
-    inspect,
     or_,
     select,
-    text,
     update,
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from hpservice.jobs import JobState
+from hpservice.jobs import WAITING_STATES, JobState
 
 
 class Base(DeclarativeBase):
@@ -53,9 +60,9 @@ class JobRow(Base):
     spec_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float, index=True)
     updated_at: Mapped[float] = mapped_column(Float)
-    step: Mapped[int] = mapped_column(Integer, default=0)
-    total_steps: Mapped[int] = mapped_column(Integer)
-    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
+    total_steps: Mapped[int] = mapped_column(BigInteger)
+    restarts: Mapped[int] = mapped_column(BigInteger, default=0)
     restart_reasons_json: Mapped[str] = mapped_column(Text, default="[]")
     history_json: Mapped[str] = mapped_column(Text, default="[]")
     checkpoints_json: Mapped[str] = mapped_column(Text, default="[]")
@@ -64,8 +71,10 @@ class JobRow(Base):
     submitted_json: Mapped[str | None] = mapped_column(Text, nullable=True)  # the spec before admission (resubmit)
     started: Mapped[int] = mapped_column(Integer, default=0)  # the coordinator was launched
     log_time: Mapped[float] = mapped_column(Float, default=0.0)  # newest log line stored (stores before log_seq)
-    log_seq: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the coordinator's cursor: last line stored
+    log_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # the coordinator's cursor: last line stored
     placement_json: Mapped[str | None] = mapped_column(Text, nullable=True)  # rank -> node of the current attempt
+    # a cancel that found the job launched: the leading replica stops its coordinator
+    cancel_requested: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,14 +99,14 @@ class JobRow(Base):
 class MetricRow(Base):
     __tablename__ = "metrics"
     job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
-    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     record_json: Mapped[str] = mapped_column(Text)
 
 
 class EventRow(Base):
     __tablename__ = "events"
     job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     kind: Mapped[str] = mapped_column(String(16))
     data_json: Mapped[str] = mapped_column(Text)
 
@@ -122,7 +131,9 @@ class HeartbeatRow(Base):
 
 class Store:
     def __init__(self, url: str):
-        sqlite = url.startswith("sqlite")
+        from .migrations import upgrade
+
+        sqlite = self._sqlite = url.startswith("sqlite")
         self.engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {})
         if sqlite:
 
@@ -133,29 +144,34 @@ class Store:
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
 
-        Base.metadata.create_all(self.engine)
-        self._add_missing_columns()
+        upgrade(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._write = threading.Lock()
 
-    def _add_missing_columns(self) -> None:
-        """Columns added since a store was created (create_all makes missing tables only), so an
-        upgraded server keeps its jobs. Nullable columns only; real migrations: issue 19."""
-        existing = {c["name"] for c in inspect(self.engine).get_columns("jobs")}
-        with self.engine.begin() as conn:
-            for column in JobRow.__table__.columns:
-                if column.name not in existing and column.nullable:
-                    kind = column.type.compile(self.engine.dialect)
-                    conn.execute(text(f'ALTER TABLE jobs ADD COLUMN "{column.name}" {kind}'))
-
     def session(self) -> Session:
         return self._sessions()
+
+    @contextmanager
+    def _writing(self) -> Iterator[Session]:
+        """A session for one write transaction (see the module doc for the locks it takes)."""
+        with self._write, self.session() as s:
+            if self._sqlite:
+                s.connection().exec_driver_sql("BEGIN IMMEDIATE")
+            yield s
+
+    @staticmethod
+    def _locked(s: Session, job_id: str) -> JobRow | None:
+        """The job's row, locked until the transaction ends (a no-op on SQLite, where the
+        transaction holds the database's write lock)."""
+        return s.scalar(
+            select(JobRow).where(JobRow.id == job_id).with_for_update().execution_options(populate_existing=True)
+        )
 
     def ping(self) -> None:
         """Raise unless the store can be read and written (disk full, read-only data dir)."""
         with self.session() as s:
             s.execute(select(1))
-        with self._write, self.session() as s:
+        with self._writing() as s:
             s.merge(HeartbeatRow(id=1, at=time.time()))
             s.commit()
 
@@ -175,7 +191,7 @@ class Store:
         same owner returns the existing job instead, or (None, False) when that job was submitted
         with a different request (``request_hash``)."""
         now = time.time()
-        with self._write, self.session() as s:
+        with self._writing() as s:
             if idempotency_key is not None:
                 existing = s.scalar(
                     select(JobRow).where(JobRow.owner == owner, JobRow.idempotency_key == idempotency_key)
@@ -192,8 +208,16 @@ class Store:
                 submitted_json=json.dumps(submitted) if submitted is not None else None,
             )  # fmt: skip
             s.add(row)
-            self._add_event(s, job_id, "state", {"state": JobState.QUEUED, "message": "submitted", "restarts": 0, "time": now})
-            s.commit()
+            self._add_event(
+                s, job_id, "state", {"state": JobState.QUEUED, "message": "submitted", "restarts": 0, "time": now}
+            )
+            try:
+                s.commit()
+            except IntegrityError:  # another replica stored the same idempotency key first
+                if idempotency_key is None:
+                    raise
+                s.rollback()
+                return self.create_job(job_id, name, owner, spec, total_steps, idempotency_key, request_hash, submitted)
             return row.to_dict(), True
 
     def submitted_spec(self, job_id: str) -> dict | None:
@@ -229,12 +253,18 @@ class Store:
     def jobs_in(self, states: tuple[str, ...]) -> list[dict]:
         with self.session() as s:
             rows = s.scalars(select(JobRow).where(JobRow.state.in_(states)).order_by(JobRow.created_at, JobRow.id))
-            return [dict(r.to_dict(), started=bool(r.started), log_time=r.log_time, log_seq=r.log_seq) for r in rows]
+            return [
+                dict(
+                    r.to_dict(), started=bool(r.started), log_time=r.log_time, log_seq=r.log_seq,
+                    cancel_requested=bool(r.cancel_requested),
+                )
+                for r in rows
+            ]  # fmt: skip
 
     def set_message(self, job_id: str, message: str) -> None:
         """A new message for the job's current state (no state change, no history entry)."""
-        with self._write, self.session() as s:
-            row = s.get(JobRow, job_id)
+        with self._writing() as s:
+            row = self._locked(s, job_id)
             if row is not None and row.message != message:
                 row.message, row.updated_at = message, time.time()
                 s.commit()
@@ -251,33 +281,62 @@ class Store:
 
     def mark_not_started(self, job_id: str) -> None:
         """The job's coordinator has ended without ending the job (requeued, preempted): the
-        queue launches a new one."""
-        with self._write, self.session() as s:
-            row = s.get(JobRow, job_id)
-            if row is not None:
-                row.started = 0
-                s.commit()
+        queue launches a new one, unless a cancel came meanwhile: then the job is CANCELLED."""
+        with self._writing() as s:
+            row = self._locked(s, job_id)
+            if row is None:
+                return
+            row.started = 0
+            if row.cancel_requested and not JobState(row.state).is_terminal:
+                self._apply(s, row, _entry(JobState.CANCELLED, "cancelled while its coordinator was stopping"))
+            s.commit()
 
     def mark_started(self, job_id: str) -> None:
-        with self._write, self.session() as s:
-            row = s.get(JobRow, job_id)
+        with self._writing() as s:
+            row = self._locked(s, job_id)
             row.started = 1
             s.commit()
 
     def claim_launch(self, job_id: str) -> bool:
-        """Mark the job launched if nobody has (one atomic UPDATE): True for the one caller that
-        may start its coordinator, whichever replica or thread asks at the same time."""
-        with self._write, self.session() as s:
-            result = s.execute(update(JobRow).where(JobRow.id == job_id, JobRow.started == 0).values(started=1))
+        """Mark the job launched if nobody has and it still waits, uncancelled (one atomic
+        UPDATE): True for the one caller that may start its coordinator, whichever replica or
+        thread asks at the same time, and never after ``request_cancel`` cancelled it."""
+        with self._writing() as s:
+            result = s.execute(
+                update(JobRow)
+                .where(
+                    JobRow.id == job_id, JobRow.started == 0, JobRow.cancel_requested == 0,
+                    JobRow.state.in_(WAITING_STATES),
+                )
+                .values(started=1)
+            )  # fmt: skip
             s.commit()
             return result.rowcount == 1
+
+    def request_cancel(self, job_id: str) -> str:
+        """Cancel the job, atomically against ``claim_launch`` on any replica: ``"cancelled"``
+        when it was not launched (it is CANCELLED now and never runs), ``"requested"`` when it was
+        (the request is stored; the leading replica stops its coordinator, which reports the
+        end), ``"ended"`` when it had already ended."""
+        with self._writing() as s:
+            row = self._locked(s, job_id)
+            if row is None or JobState(row.state).is_terminal:
+                return "ended"
+            if not row.started:
+                self._apply(s, row, _entry(JobState.CANCELLED, "cancelled before it started"))
+                s.commit()
+                return "cancelled"
+            row.cancel_requested = 1
+            row.message, row.updated_at = "cancel requested: its coordinator is asked to stop", time.time()
+            s.commit()
+            return "requested"
 
     def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
         """Take or renew lease ``name`` for ``holder`` for ``ttl_s`` seconds: True while
         ``holder`` has it. One atomic UPDATE (held by ``holder``, or expired), else the first
         INSERT; the database orders competing replicas."""
         now = time.time()
-        with self._write, self.session() as s:
+        with self._writing() as s:
             taken = s.execute(
                 update(LeaseRow)
                 .where(LeaseRow.name == name, or_(LeaseRow.holder == holder, LeaseRow.expires_at < now))
@@ -297,59 +356,56 @@ class Store:
             return True
 
     def release_lease(self, name: str, holder: str) -> None:
-        with self._write, self.session() as s:
+        with self._writing() as s:
             s.execute(delete(LeaseRow).where(LeaseRow.name == name, LeaseRow.holder == holder))
             s.commit()
 
     def update_status(self, job_id: str, status: dict) -> None:
         """Apply a coordinator status (state, message, step, restarts, history, checkpoints)."""
-        with self._write, self.session() as s:
-            row = s.get(JobRow, job_id)
-            if row is None:
-                return
-            old_state, old_restarts = row.state, row.restarts
-            if JobState(old_state).is_terminal and status["state"] != old_state:
-                return  # an ended job never moves again (a late status from a coordinator it outlived)
-            old_checkpoints = {c["step"] for c in json.loads(row.checkpoints_json)}
-            history = json.loads(row.history_json)
-            seen = {(h["state"], h["time"]) for h in history}
-            new_entries = [h for h in status.get("history", []) if (h["state"], h["time"]) not in seen]
-            history += new_entries
-            row.state = status["state"]
-            row.message = status.get("message", row.message)
-            row.step = max(row.step, status.get("step", 0))
-            row.restarts = status.get("restarts", row.restarts)
-            row.restart_reasons_json = json.dumps(status.get("restart_reasons", []))
-            row.history_json = json.dumps(history)
-            checkpoints = status.get("checkpoints", json.loads(row.checkpoints_json))
-            row.checkpoints_json = json.dumps(checkpoints)
-            if "placement" in status:
-                row.placement_json = json.dumps(status["placement"])
-            row.updated_at = time.time()
-            for c in checkpoints:
-                if c["step"] not in old_checkpoints:
-                    self._add_event(s, job_id, "checkpoint", c)
-            for h in new_entries:  # an elastic resize is an event even when the state stays
-                if "resize" in h:
-                    data = {"state": h["state"], "message": h["message"], "restarts": row.restarts, "time": h["time"]}
-                    self._add_event(s, job_id, "state", {**data, "resize": h["resize"]})
-            if row.state != old_state or row.restarts != old_restarts:
-                data = {"state": row.state, "message": row.message, "restarts": row.restarts, "time": row.updated_at}
-                self._add_event(s, job_id, "state", data)
-            s.commit()
+        with self._writing() as s:
+            row = self._locked(s, job_id)
+            if row is not None:
+                self._apply(s, row, status)
+                s.commit()
+
+    def _apply(self, s: Session, row: JobRow, status: dict) -> None:
+        """``update_status`` on the locked ``row``, in the caller's transaction."""
+        job_id = row.id
+        old_state, old_restarts = row.state, row.restarts
+        if JobState(old_state).is_terminal and status["state"] != old_state:
+            return  # an ended job never moves again (a late status from a coordinator it outlived)
+        old_checkpoints = {c["step"] for c in json.loads(row.checkpoints_json)}
+        history = json.loads(row.history_json)
+        seen = {(h["state"], h["time"]) for h in history}
+        new_entries = [h for h in status.get("history", []) if (h["state"], h["time"]) not in seen]
+        history += new_entries
+        row.state = status["state"]
+        row.message = status.get("message", row.message)
+        row.step = max(row.step, status.get("step", 0))
+        row.restarts = status.get("restarts", row.restarts)
+        row.restart_reasons_json = json.dumps(status.get("restart_reasons", []))
+        row.history_json = json.dumps(history)
+        checkpoints = status.get("checkpoints", json.loads(row.checkpoints_json))
+        row.checkpoints_json = json.dumps(checkpoints)
+        if "placement" in status:
+            row.placement_json = json.dumps(status["placement"])
+        row.updated_at = time.time()
+        for c in checkpoints:
+            if c["step"] not in old_checkpoints:
+                self._add_event(s, job_id, "checkpoint", c)
+        for h in new_entries:  # an elastic resize is an event even when the state stays
+            if "resize" in h:
+                data = {"state": h["state"], "message": h["message"], "restarts": row.restarts, "time": h["time"]}
+                self._add_event(s, job_id, "state", {**data, "resize": h["resize"]})
+        if row.state != old_state or row.restarts != old_restarts:
+            data = {"state": row.state, "message": row.message, "restarts": row.restarts, "time": row.updated_at}
+            self._add_event(s, job_id, "state", data)
 
     def set_state(self, job_id: str, state: str, message: str) -> None:
-        self.update_status(
-            job_id,
-            {
-                "state": state,
-                "message": message,
-                "history": [{"state": state, "time": time.time(), "message": message}],
-            },
-        )
+        self.update_status(job_id, _entry(state, message))
 
     def delete_job(self, job_id: str) -> None:
-        with self._write, self.session() as s:
+        with self._writing() as s:
             s.execute(delete(MetricRow).where(MetricRow.job_id == job_id))
             s.execute(delete(EventRow).where(EventRow.job_id == job_id))
             s.execute(delete(JobRow).where(JobRow.id == job_id))
@@ -363,13 +419,14 @@ class Store:
     def add_metrics(self, job_id: str, records: list[dict]) -> None:
         if not records:
             return
-        with self._write, self.session() as s:
+        with self._writing() as s:
+            row = self._locked(s, job_id)
+            if row is None:
+                return
             for r in records:
                 s.merge(MetricRow(job_id=job_id, step=r["step"], record_json=json.dumps(r)))
                 self._add_event(s, job_id, "metrics", r)
-            row = s.get(JobRow, job_id)
-            if row is not None:
-                row.step = max(row.step, max(r["step"] for r in records))
+            row.step = max(row.step, max(r["step"] for r in records))
             s.commit()
 
     def last_metric_step(self, job_id: str) -> int:
@@ -388,10 +445,12 @@ class Store:
     def add_logs(self, job_id: str, lines: list[dict]) -> None:
         if not lines:
             return
-        with self._write, self.session() as s:
+        with self._writing() as s:
+            row = self._locked(s, job_id)
+            if row is None:
+                return
             for line in lines:
                 self._add_event(s, job_id, "log", {k: line[k] for k in ("rank", "step", "time", "line")})
-            row = s.get(JobRow, job_id)
             row.log_time = max(row.log_time, max(line["time"] for line in lines))
             seqs = [line["seq"] for line in lines if "seq" in line]
             if seqs:
@@ -424,6 +483,13 @@ class Store:
             return [(r.seq, r.kind, json.loads(r.data_json)) for r in s.scalars(q)]
 
     def _add_event(self, s: Session, job_id: str, kind: str, data: dict) -> None:
+        """The job's next event; the caller holds the job's row lock (or created the row), so
+        no other transaction takes the same sequence number."""
         last = s.scalar(select(func.max(EventRow.seq)).where(EventRow.job_id == job_id)) or 0
         s.add(EventRow(job_id=job_id, seq=last + 1, kind=kind, data_json=json.dumps(data)))
         s.flush()
+
+
+def _entry(state: str, message: str) -> dict:
+    """A status that moves a job to ``state`` with ``message``, one history entry."""
+    return {"state": state, "message": message, "history": [{"state": state, "time": time.time(), "message": message}]}

@@ -7,9 +7,10 @@ One background thread, every ``poll_interval_s``:
    backfill with a bound) picks the QUEUED jobs that start now (their Coordinator actors), from
    the free resources less those of jobs launched but not yet placed; every other queued job is
    told why it waits, each new reason once, in its history; a job that can never fit fails at
-   once with the reason. Launch and cancel take one lock and re-read the job's
-   state, so a cancel either finds the job unlaunched (CANCELLED, never launched) or launched
-   (the coordinator is asked to stop): a job the store calls CANCELLED never runs;
+   once with the reason. A cancel, taken by any replica, is one atomic step in the store
+   against the launch's claim (``Store.request_cancel``, ``Store.claim_launch``): it either finds
+   the job unlaunched (CANCELLED, never launched) or launched (the request is stored, and this
+   loop asks the coordinator to stop): a job the store calls CANCELLED never runs;
 2. every launched, unfinished job's coordinator is asked for its news (metrics after the last
    stored step, log lines after the stored log cursor, its status) without waiting: the answers
    of every coordinator that has answered are stored (and so reach SSE clients), so one slow or
@@ -96,9 +97,10 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self._reasons: dict[str, str] = {}  # queued job -> the reason it was last told it waits
         self._preempting: set[str] = set()  # running jobs asked to stop for a higher-priority one
+        self._cancelling: set[str] = set()  # launched jobs whose coordinator was asked to stop for a cancel
         self._unlaunched: set[str] = set()  # jobs this tick sent back to the queue (no coordinator to ask)
         self._specs: dict[str, object] = {}  # job -> its parsed spec (a job's spec never changes)
-        self._lock = threading.RLock()  # launch, cancel and the handle table
+        self._lock = threading.RLock()  # launch and the handle table
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="hpservice-supervisor", daemon=True)
@@ -118,17 +120,10 @@ class Supervisor:
         return cluster_fit(spec, spec.resources.gpus_per_worker(ray.cluster_resources().get("GPU", 0)))
 
     def cancel(self, job: dict) -> None:
-        """Cancel ``job``: one transition, whatever the launch is doing (see the module doc)."""
-        with self._lock:
-            current = self.store.get_job(job["id"])
-            if current is None or current["state"] in TERMINAL_STATES:
-                return
-            if not self.store.is_started(job["id"]):
-                self.store.set_state(job["id"], JobState.CANCELLED, "cancelled before it started")
-                return
-            handle = self._handle(job["id"])
-        if handle is not None:
-            handle.stop(graceful=True, deadline_s=60, wait=False)  # a frozen coordinator must not block the route
+        """Cancel ``job`` on whichever replica the request came to: one transition, whatever the
+        launch is doing (see the module doc); a launched job's coordinator is asked to stop by
+        the leader's next tick."""
+        self.store.request_cancel(job["id"])
 
     # ---- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -152,17 +147,21 @@ class Supervisor:
             self._handles.clear()
         self._requests.clear()
         self._preempting.clear()
+        self._cancelling.clear()
         self._reasons.clear()
 
     def tick(self) -> None:
         jobs = self.store.jobs_in(ACTIVE_STATES)
         self._unlaunched.clear()
+        self._cancelling &= {j["id"] for j in jobs}
         self._schedule(jobs)
         self._collect()
         now = time.monotonic()
         for job in jobs:
             if not job["started"]:
                 continue
+            if job["cancel_requested"] and job["id"] not in self._cancelling:
+                self._stop_cancelled(job["id"])
             request = self._requests.get(job["id"])
             if request is None:
                 if job["id"] in self._unlaunched:
@@ -174,6 +173,14 @@ class Supervisor:
                     job["id"], f"unhealthy: its coordinator has not answered for {self.poll_timeout_s:g} s"
                 )
         self._collect(wait_s=0.1)  # answers that come at once are stored in this tick
+
+    def _stop_cancelled(self, job_id: str) -> None:
+        """Ask the coordinator of a job whose cancel was stored to stop, once; it reports the end
+        (CANCELLED) itself. Never waits: a frozen coordinator must not stall the loop."""
+        handle = self._handle(job_id)
+        if handle is not None:
+            handle.stop(graceful=True, deadline_s=60, wait=False)
+            self._cancelling.add(job_id)
 
     def _schedule(self, jobs: list[dict]) -> None:
         """Start the queued jobs the scheduler picks (``api/scheduler.py``: priority, quotas, fair

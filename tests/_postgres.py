@@ -12,6 +12,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -45,7 +46,7 @@ class PostgresServer:
             self.port = s.getsockname()[1]
         self.process = subprocess.Popen(
             [f"{bindir}/postgres", "-D", f"{self.dir}/data", "-p", str(self.port), "-k", self.dir,
-             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=200"],
+             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=1000"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **self._as,
         )  # fmt: skip
         import psycopg
@@ -75,7 +76,9 @@ class PostgresServer:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.terminate()  # smart shutdown of the server this object started, by its PID
+            # fast shutdown of the server this object started, by its PID: it disconnects the
+            # clients (the tests' stores keep pooled connections) instead of waiting for them
+            self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:

@@ -29,7 +29,18 @@ def test_every_package_folder_is_declared_under_the_hpservice_namespace():
 
 def test_the_wheel_installs_the_layers_as_hpservice_api_and_actors(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
         check=True,
         timeout=300,
     )
@@ -40,3 +51,8 @@ def test_the_wheel_installs_the_layers_as_hpservice_api_and_actors(tmp_path):
     assert "hpservice/api/static/index.html" in names
     assert "hpservice/actors/coordinator.py" in names
     assert "hpservice/api/routes/jobs.py" in names
+    assert "hpservice/api/migrations/env.py" in names  # the schema migrations, every revision
+    assert {
+        "hpservice/api/migrations/versions/0001_baseline.py",
+        "hpservice/api/migrations/versions/0003_64_bit_steps.py",
+    } <= set(names)

@@ -3,6 +3,7 @@ another job's supervision, and cancel and launch are one transition."""
 
 import threading
 import time
+import uuid
 
 import pytest
 import ray
@@ -92,6 +93,7 @@ def test_a_frozen_coordinator_never_stalls_another_job(cluster, tmp_path):
     assert "unhealthy: its coordinator has not answered for 1 s" in frozen["message"]
     _in_thread(lambda: sup.cancel(store.get_job("frozen-1")))  # the route returns at once
     _in_thread(lambda: sup.cancel(store.get_job("healthy-1")))
+    _in_thread(sup.tick)  # the stored cancels: each coordinator is asked to stop, frozen or not
     # The stop request is sent without waiting: it reaches the (threaded) actor soon, not at once.
     deadline = time.monotonic() + 60
     while ray.get(healthy.stop_requests.remote(), timeout=30) == 0 and time.monotonic() < deadline:
@@ -109,34 +111,67 @@ class _Recorder:
         self.stops += 1
 
 
-def test_cancel_during_launch_is_one_transition(cluster, tmp_path, monkeypatch):
-    """A cancel that arrives while the job is being launched waits for the launch and then stops
-    the launched job; a cancel that wins the race means the job is never launched."""
-    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    sup = Supervisor(store)
-    handles, cancels = [], []
+def _fake_start(launches):
+    """A ``start_job`` that starts a stand-in coordinator under the job's name."""
+    from hpservice.actors import JobHandle
 
-    def start_job(spec, job_id):  # the launch, with a cancel arriving in the middle of it
-        t = threading.Thread(target=lambda: sup.cancel(store.get_job(job_id)), daemon=True)
-        t.start()
-        cancels.append(t)
-        t.join(0.5)  # the cancel must wait for the launch to finish
-        assert t.is_alive(), "cancel did not wait for the launch in progress"
-        handles.append(_Recorder())
-        return handles[-1]
+    def start_job(spec, job_id):
+        launches.append(job_id)
+        actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice").remote(False)
+        ray.get(actor.stop_requests.remote(), timeout=60)
+        return JobHandle(job_id, actor)
+
+    return start_job
+
+
+def test_a_cancel_on_another_replica_during_the_launch_is_one_transition(cluster, store_url, monkeypatch):
+    """A cancel taken by a second replica (its own store and supervisor: they share only the
+    database) while the leader launches the job returns at once; the launched job's coordinator
+    is then asked to stop, once, however many ticks follow. A cancel that wins the race means
+    the job is never launched."""
+    tag = uuid.uuid4().hex[:6]
+    store = Store(store_url)
+    leader, other = Supervisor(store), Supervisor(Store(store_url))
+    launches = []
+    fake_start = _fake_start(launches)
+
+    def start_job(spec, job_id):  # the launch, with the other replica's cancel in the middle of it
+        _in_thread(lambda: other.cancel(store.get_job(job_id)), timeout=30)
+        return fake_start(spec, job_id)
 
     monkeypatch.setattr(supervisor_module, "start_job", start_job)
-    store.create_job("race-1", "s", "alice", SPEC, 100, None)
-    sup._schedule(store.jobs_in(("QUEUED",)))
-    cancels[0].join(30)
-    assert store.is_started("race-1") and handles[0].stops == 1  # launched, then asked to stop
-    assert store.get_job("race-1")["state"] != "CANCELLED"  # the coordinator reports the cancel itself
+    store.create_job(f"race-{tag}", "s", "alice", SPEC, 100, None)
+    for _ in range(4):
+        _in_thread(leader.tick)
+    handle = leader._handles[f"race-{tag}"]
+    assert launches == [f"race-{tag}"] and store.is_started(f"race-{tag}")
+    deadline = time.monotonic() + 60
+    while ray.get(handle.coordinator.stop_requests.remote(), timeout=30) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for _ in range(3):
+        _in_thread(leader.tick)
+    assert ray.get(handle.coordinator.stop_requests.remote(), timeout=30) == 1  # asked once
+    assert store.get_job(f"race-{tag}")["state"] != "CANCELLED"  # the coordinator reports the cancel itself
 
-    store.create_job("race-2", "s", "alice", SPEC, 100, None)
-    sup.cancel(store.get_job("race-2"))  # the cancel first: never launched
-    sup._schedule(store.jobs_in(("QUEUED",)))
-    assert store.get_job("race-2")["state"] == "CANCELLED" and not store.is_started("race-2")
-    assert len(handles) == 1
+    store.create_job(f"first-{tag}", "s", "alice", SPEC, 100, None)
+    other.cancel(store.get_job(f"first-{tag}"))  # the cancel first: never launched
+    _in_thread(leader.tick)
+    assert store.get_job(f"first-{tag}")["state"] == "CANCELLED" and not store.is_started(f"first-{tag}")
+    assert launches == [f"race-{tag}"]
+    ray.kill(handle.coordinator)
+
+
+def test_a_cancel_while_a_preempted_job_stops_ends_it_cancelled(store_url):
+    """The coordinator has stopped for a preemption but the job is still marked launched when the
+    cancel comes: it is CANCELLED, not queued again."""
+    store = Store(store_url)
+    store.create_job("p-1", "s", "alice", SPEC, 100, None)
+    assert store.claim_launch("p-1")
+    store.update_status("p-1", {"state": "PREEMPTED", "message": "preempted by job x", "history": []})
+    assert store.request_cancel("p-1") == "requested"
+    store.mark_not_started("p-1")
+    job = store.get_job("p-1")
+    assert job["state"] == "CANCELLED" and not store.claim_launch("p-1")
 
 
 def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_path, monkeypatch):
@@ -148,7 +183,9 @@ def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_pa
         store.mark_started(job_id)
     store.update_status("kept-1", {"state": "RUNNING", "checkpoints": [{"step": 40, "path": "/ckpt/step-40"}]})
     launched = []
-    monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id: launched.append((job_id, spec)) or _Recorder())
+    monkeypatch.setattr(
+        supervisor_module, "start_job", lambda spec, job_id: launched.append((job_id, spec)) or _Recorder()
+    )
     sup = Supervisor(store)
     _in_thread(sup.tick)
     kept, lost = store.get_job("kept-1"), store.get_job("lost-1")
@@ -174,7 +211,12 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
     launched = []
     monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id: launched.append(job_id) or object())
     one = {**SPEC, "resources": {"workers": 1, "use_gpu": False}}
-    for job_id, owner, priority in (("a1", "alice", None), ("a2", "alice", None), ("b1", "bob", None), ("u", "carol", 10)):
+    for job_id, owner, priority in (
+        ("a1", "alice", None),
+        ("a2", "alice", None),
+        ("b1", "bob", None),
+        ("u", "carol", 10),
+    ):
         store.create_job(job_id, "s", owner, {**one, "scheduling": {"priority": priority}}, 100, None)
         time.sleep(0.01)  # distinct submission times
     sup._schedule(store.jobs_in(("QUEUED",)))
@@ -193,18 +235,9 @@ def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_me
     """Two supervisors (two server replicas) on one database, SQLite and PostgreSQL: one holds the
     lease and launches the job, once; when it is killed (it never releases the lease) the other
     takes over after the lease's ttl, re-attaches to the coordinator by name and stores every step."""
-    from hpservice.actors import JobHandle
-
     url = store_url
     launches = []
-
-    def start_job(spec, job_id):
-        launches.append(job_id)
-        actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice").remote(False)
-        ray.get(actor.stop_requests.remote(), timeout=60)
-        return JobHandle(job_id, actor)
-
-    monkeypatch.setattr(supervisor_module, "start_job", start_job)
+    monkeypatch.setattr(supervisor_module, "start_job", _fake_start(launches))
     store = Store(url)
     store.create_job("two-1", "s", "alice", {**SPEC, "resources": {"workers": 1, "use_gpu": False}}, 100, None)
     replicas = [Supervisor(Store(url), poll_interval_s=0.1, lease_ttl_s=2.0) for _ in range(2)]
@@ -212,7 +245,9 @@ def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_me
         r.start()
     try:
         deadline = time.monotonic() + 60
-        while (store.get_job("two-1")["step"] < 5 or not any(r.is_leader for r in replicas)) and time.monotonic() < deadline:
+        while (
+            store.get_job("two-1")["step"] < 5 or not any(r.is_leader for r in replicas)
+        ) and time.monotonic() < deadline:
             time.sleep(0.1)
         leader, other = sorted(replicas, key=lambda r: not r.is_leader)
         assert leader.is_leader and not other.is_leader and launches == ["two-1"]

@@ -3,7 +3,11 @@ backfill and its bound, with the reason every waiting job is given."""
 
 import re
 
+import pytest
+
 from hpservice.api.scheduler import JobDemand, Quota, Quotas, decide
+
+pytestmark = pytest.mark.databases("sqlite")  # pure decisions: no store (the supervisor's tests run on both)
 
 
 def job(id, owner="alice", workers=1, priority=None, at=0.0, cpus=1.0, gpus=0):

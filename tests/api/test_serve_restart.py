@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hpservice.actors.head import running_head, stop_head
 from hpservice.launch import free_port
@@ -50,6 +51,7 @@ def _kill(proc):
     proc.wait(timeout=30)
 
 
+@pytest.mark.databases("sqlite")  # the default server: its store is a SQLite file in its data dir
 def test_kill_9_the_default_server_mid_job_and_start_it_again(tmp_path):
     data, port = tmp_path / "data", free_port()
     url = f"http://127.0.0.1:{port}"
@@ -71,9 +73,11 @@ def test_kill_9_the_default_server_mid_job_and_start_it_again(tmp_path):
         _wait(lambda: httpx.get(f"{url}/readyz", timeout=5).status_code == 200, 240, "the restarted server")
         assert running_head(data) == head  # re-attached, not a new cluster
         done = _wait(
-            lambda: (j := httpx.get(f"{url}/v1/jobs/{job['id']}", timeout=5).json())["state"]
-            in ("SUCCEEDED", "FAILED", "CANCELLED")
-            and j,
+            lambda: (
+                (j := httpx.get(f"{url}/v1/jobs/{job['id']}", timeout=5).json())["state"]
+                in ("SUCCEEDED", "FAILED", "CANCELLED")
+                and j
+            ),
             300,
             "the job to end",
         )
