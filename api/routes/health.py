@@ -8,17 +8,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ..deps import get_store
+from ..deps import get_store, get_supervisor
 from ..errors import error_body, store_failure
 from ..schemas import ErrorOut
 from ..store import Store
+from ..supervisor import Supervisor
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> dict:
-    return {"status": "ok"}
+def healthz(supervisor: Supervisor = Depends(get_supervisor)) -> dict:
+    """Alive; and whether this replica is the one that launches and follows jobs (``leader``,
+    holding the store's supervisor lease) or takes requests only (``standby``)."""
+    return {"status": "ok", "supervisor": "leader" if supervisor.is_leader else "standby"}
 
 
 @router.get("/readyz", responses={503: {"model": ErrorOut}})

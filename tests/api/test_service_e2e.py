@@ -22,7 +22,7 @@ from hpservice.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # Ray's token authentication (its default for `ray start`): the API process presents the same token.
-RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
+RAY_ENV = {k: v for k, v in os.environ.items() if k != "HPSERVICE_DATABASE_URL"} | {"RAY_AUTH_MODE": "token"}
 TOKENS = {"t-alice": {"owner": "alice"}, "t-bob": {"owner": "bob"}, "t-ops": {"owner": "ops", "admin": True}}
 
 
@@ -59,8 +59,9 @@ def _stop(proc):
 
 
 class Server:
-    def __init__(self, tmp, ray_address):
+    def __init__(self, tmp, ray_address, database_url=None):
         self.tmp, self.ray_address, self.port = tmp, ray_address, free_port()
+        self.database_url = database_url  # None: the default SQLite file in its data dir
         self.url = f"http://127.0.0.1:{self.port}"
         (tmp / "tokens.yaml").write_text(json.dumps(TOKENS))
         self.proc = None
@@ -71,7 +72,7 @@ class Server:
         log = open(self.tmp / f"server-{time.time():.0f}.log", "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.tmp,
-            env={**RAY_ENV, "PYTHONUNBUFFERED": "1"},
+            env={**RAY_ENV, "PYTHONUNBUFFERED": "1", **({"HPSERVICE_DATABASE_URL": self.database_url} if self.database_url else {})},
         )  # fmt: skip
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -90,8 +91,10 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def service(tmp_path_factory, database_kind, request):
+    """One server for the module's tests on each database (conftest.py), with its own Ray head."""
     tmp = tmp_path_factory.mktemp("service")
+    database_url = request.getfixturevalue("postgres").new_database() if database_kind == "postgresql" else None
     port = free_port()
     ray_log = open(tmp / "ray.log", "w")  # noqa: SIM115 - lives as long as the process
     head = subprocess.Popen(
@@ -101,7 +104,7 @@ def service(tmp_path_factory):
     )  # fmt: skip
     try:
         _wait_port(port)
-        server = Server(tmp, f"127.0.0.1:{port}")
+        server = Server(tmp, f"127.0.0.1:{port}", database_url)
         server.start()
         yield server
         _stop(server.proc)
