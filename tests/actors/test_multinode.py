@@ -185,7 +185,9 @@ def test_the_supervisor_requeues_a_job_whose_coordinators_node_was_lost(tmp_path
             _wait(lambda: (j := store.get_job(job_id))["checkpoints"] and j["state"] == "RUNNING", "checkpointed")
             node_id = JobHandle.attach(job_id).status()["coordinator_node"]
             cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)
-            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=240)
+            final = _wait(
+                lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=240
+            )
         finally:
             supervisor.stop()
     assert final["state"] == "SUCCEEDED", final
@@ -238,8 +240,10 @@ def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_lo
     assert diff < 1e-5, diff
 
 
-def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(ranks, tmp_path):
-    """One 2-CPU node. alice's priority-0 job runs; bob submits a priority-10 job that needs the
+def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(
+    ranks, tmp_path, store_url
+):
+    """One 2-CPU node, on SQLite and PostgreSQL. alice's priority-0 job runs; bob submits a priority-10 job that needs the
     whole node: alice's is asked to checkpoint and stop, goes back to the queue PREEMPTED, bob's
     runs, then alice's resumes from its checkpoint. Its loss at every step is bitwise the
     undisturbed run's."""
@@ -250,7 +254,7 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
     low = _spec(tmp_path / "low", "low", training={"steps": steps}, checkpoint={"interval": 10, "keep": 2})
     high = _spec(tmp_path / "high", "high", training={"steps": 10}, scheduling={"priority": 10})
     with simulated_cluster({"num_cpus": 2}):
-        store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
+        store = Store(store_url)
         supervisor = Supervisor(store, poll_interval_s=0.2)
         store.create_job("low-0001", "low", "alice", low.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
@@ -259,7 +263,9 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
             store.create_job("high-0001", "high", "bob", high.model_dump(mode="json", by_alias=True), 10, None)
             ended = ("SUCCEEDED", "FAILED", "CANCELLED")
             final = _wait(
-                lambda: all(store.get_job(i)["state"] in ended for i in ("low-0001", "high-0001")), "both ended", timeout=300
+                lambda: all(store.get_job(i)["state"] in ended for i in ("low-0001", "high-0001")),
+                "both ended",
+                timeout=300,
             )
         finally:
             supervisor.stop()
@@ -268,13 +274,82 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
         records = store.metrics("low-0001", 0)
     assert low_job["state"] == "SUCCEEDED" and high_job["state"] == "SUCCEEDED", (low_job, high_job)
     low_history = [(h["state"], h["message"]) for h in low_job["history"]]
-    assert ("CANCELLING", "preempted by job high-0001 (priority 10 > 0): finishing the current step and checkpointing") in low_history
+    assert (
+        "CANCELLING",
+        "preempted by job high-0001 (priority 10 > 0): finishing the current step and checkpointing",
+    ) in low_history
     preempted = [m for s, m in low_history if s == "PREEMPTED"]
-    assert preempted and preempted[0].startswith("preempted by job high-0001 (priority 10 > 0); stopped gracefully at step")
-    assert any(h["message"] == "waiting for low-0001 to checkpoint and stop (preempted for it)" for h in high_job["history"])
+    assert preempted and preempted[0].startswith(
+        "preempted by job high-0001 (priority 10 > 0); stopped gracefully at step"
+    )
+    assert any(
+        h["message"] == "waiting for low-0001 to checkpoint and stop (preempted for it)" for h in high_job["history"]
+    )
     ends = {j["id"]: next(h["time"] for h in j["history"] if h["state"] == "SUCCEEDED") for j in (low_job, high_job)}
     assert ends["high-0001"] < ends["low-0001"]
     expected = ranks(2).run(_torchrun_losses, _spec(tmp_path / "ref", "low", training={"steps": steps}))[0]
     by_step = {r["step"]: r["loss"] for r in records}
     assert sorted(by_step) == list(range(1, steps + 1))
     assert [by_step[s] for s in range(1, steps + 1)] == expected
+
+
+def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(tmp_path, store_url):
+    """Real jobs on one 2-CPU node, on SQLite and PostgreSQL; alice may use 2 workers at once.
+    Long jobs run until the test cancels them, so each decision happens at a moment the test
+    chooses: when a CPU frees, yvonne's job starts before alice's older one (fair share: alice
+    already uses a worker) and before bob's older 2-worker job, which does not fit yet
+    (backfill); a job of alice's at her quota waits, saying so, and starts when one of hers
+    ends; bob's job starts once the node is free. Every job ends as it should."""
+    from hpservice.api.scheduler import Quota, Quotas
+    from hpservice.api.store import Store
+    from hpservice.api.supervisor import Supervisor
+
+    def job(name, workers=1, steps=6):
+        return _spec(tmp_path / name, name, training={"steps": steps}, resources={"workers": workers})
+
+    def submit(store, name, owner, **kwargs):
+        spec = job(name, **kwargs)
+        store.create_job(name, name, owner, spec.model_dump(mode="json", by_alias=True), spec.training.steps, None)
+
+    def state(name):
+        return store.get_job(name)["state"]
+
+    def started_at(name):
+        return next(h["time"] for h in store.get_job(name)["history"] if h["state"] == "STARTING")
+
+    long = {"steps": 1_000_000}
+    with simulated_cluster({"num_cpus": 2}):
+        store = Store(store_url)
+        supervisor = Supervisor(store, poll_interval_s=0.2, quotas=Quotas({"alice": Quota(workers=2)}))
+        supervisor.start()
+        try:
+            submit(store, "a1", "alice", **long)
+            submit(store, "z1", "zed", **long)
+            _wait(lambda: state("a1") == state("z1") == "RUNNING", "a1 and z1 running")
+            submit(store, "a2", "alice", **long)
+            submit(store, "b1", "bob", workers=2)
+            submit(store, "y1", "yvonne")
+            _wait(lambda: store.get_job("b1")["message"].startswith("waiting for resources: needs 2 x"), "b1 waiting")
+            store.request_cancel("z1")  # a CPU frees: y1 goes ahead of a2 (fair share) and of b1 (backfill)
+            _wait(lambda: state("y1") == "SUCCEEDED", "y1 done", timeout=240)
+            _wait(lambda: state("a2") == "RUNNING", "a2 running")  # then alice's, bob's still not fitting
+            submit(store, "a3", "alice")
+            quota = "waiting: owner alice at quota 2/2 workers (this job needs 1)"
+            _wait(lambda: store.get_job("a3")["message"] == quota, "a3 at its owner's quota")
+            store.request_cancel("a1")  # one of alice's ends: a3 may start (b1 still does not fit)
+            _wait(lambda: state("a3") == "SUCCEEDED", "a3 done", timeout=240)
+            store.request_cancel("a2")
+            _wait(lambda: state("b1") in ("SUCCEEDED", "FAILED"), "b1 ended", timeout=240)
+        finally:
+            supervisor.stop()
+        jobs = {name: store.get_job(name) for name in ("a1", "z1", "a2", "b1", "y1", "a3")}
+    assert {n: j["state"] for n, j in jobs.items()} == {
+        "a1": "CANCELLED", "z1": "CANCELLED", "a2": "CANCELLED", "b1": "SUCCEEDED", "y1": "SUCCEEDED", "a3": "SUCCEEDED",
+    }  # fmt: skip
+    assert started_at("y1") < started_at("a2") < started_at("b1")  # fair share, then backfill ahead of b1
+    assert started_at("a3") < started_at("b1")  # backfilled too
+    cancelled_a1 = next(h["time"] for h in jobs["a1"]["history"] if h["state"] == "CANCELLED")
+    assert started_at("a3") > cancelled_a1  # held at the quota until one of alice's ended
+    b1_reasons = [h["message"] for h in jobs["b1"]["history"] if h["message"].startswith("waiting")]
+    assert b1_reasons[0].startswith("waiting for resources: needs 2 x 1 CPU"), b1_reasons
+    assert quota in [h["message"] for h in jobs["a3"]["history"]]

@@ -199,14 +199,14 @@ def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_pa
 
 
 def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_others_wait(
-    cluster, tmp_path, monkeypatch
+    cluster, store_url, monkeypatch
 ):
     """On the 2-CPU local Ray, with alice's quota at 1 worker: carol's priority-10 job starts
     first, then alice's oldest; alice's second waits at her quota, bob's for resources. Every
     reason is in the job's history once, however many ticks repeat it."""
     from hpservice.api.scheduler import Quota, Quotas
 
-    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    store = Store(store_url)
     sup = Supervisor(store, quotas=Quotas({"alice": Quota(workers=1)}))
     launched = []
     monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id: launched.append(job_id) or object())
