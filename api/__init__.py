@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
             supervisor.start()
         yield
         supervisor.stop()
+        store.close()
 
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="hpservice", version="0.1.0", lifespan=lifespan, **docs)

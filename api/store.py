@@ -151,6 +151,10 @@ class Store:
     def session(self) -> Session:
         return self._sessions()
 
+    def close(self) -> None:
+        """Close the pooled connections (a server that stops: PostgreSQL counts its clients)."""
+        self.engine.dispose()
+
     @contextmanager
     def _writing(self) -> Iterator[Session]:
         """A session for one write transaction (see the module doc for the locks it takes)."""

@@ -16,6 +16,8 @@ find the schema current.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -48,11 +50,25 @@ def current(connection: Connection) -> str | None:
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Upgrade the database ``engine`` opens to ``revision``, in one transaction."""
+    with _locked(engine) as conn:
+        if revision == "head" and current(conn) == head():
+            return
+        command.upgrade(config(conn), revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Take the database back to ``revision`` (to run an older server), in one transaction;
+    what the newer revisions stored (their columns) is dropped."""
+    with _locked(engine) as conn:
+        command.downgrade(config(conn), revision)
+
+
+@contextmanager
+def _locked(engine: Engine) -> Iterator[Connection]:
+    """A transaction that holds the migration lock (see the module doc)."""
     with engine.begin() as conn:
         if conn.dialect.name == "sqlite":
             conn.exec_driver_sql("BEGIN IMMEDIATE")
         elif conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
-        if revision == "head" and current(conn) == head():
-            return
-        command.upgrade(config(conn), revision)
+        yield conn
