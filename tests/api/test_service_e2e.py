@@ -48,11 +48,11 @@ def _wait_port(port, timeout=60):
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port}")
 
 
-def _stop(proc):
+def _stop(proc, grace_s=15):
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=15)
+            proc.wait(timeout=grace_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
     proc.wait(timeout=15)
@@ -109,7 +109,7 @@ def service(tmp_path_factory, database_kind, request):
         yield server
         _stop(server.proc)
     finally:
-        _stop(head)
+        _stop(head, grace_s=2)  # `ray start --block` can take half a minute on SIGTERM: the group is killed
 
 
 def _client(server, token="t-alice"):
@@ -174,6 +174,7 @@ def test_submit_over_http_and_stream_until_succeeded(service, tmp_path):
         assert first == f"id: {resumed[0][0]}"
 
 
+@pytest.mark.databases("sqlite")  # the CLI's path; streaming from PostgreSQL: the test above
 def test_submit_with_the_cli_and_watch(service, tmp_path):
     env = {**os.environ, "HPSERVICE_URL": service.url, "HPSERVICE_TOKEN": "t-alice"}
     cmd = [sys.executable, "-m", "hpservice", "submit", str(ROOT / "examples" / "tiny-cpu.yaml"), "--watch",
@@ -191,6 +192,7 @@ def test_submit_with_the_cli_and_watch(service, tmp_path):
     assert logs.returncode == 0 and "[rank 1 step" in logs.stdout and "rank 1 step" in logs.stdout, logs.stdout
 
 
+@pytest.mark.databases("sqlite")  # on PostgreSQL: test_replicas.py kills a replica mid-job
 def test_api_restart_mid_job_loses_nothing(service, tmp_path):
     with _client(service) as c:
         job = c.post("/v1/jobs", json=_spec(tmp_path, "restart", steps=300)).json()
@@ -269,6 +271,7 @@ def test_fifty_concurrent_submissions_are_all_stored(service, tmp_path):
         _wait(service, job_id, ("CANCELLED", "SUCCEEDED", "FAILED"), timeout=120, token="t-ops")
 
 
+@pytest.mark.databases("sqlite")  # refused before the store
 def test_an_endless_body_is_refused_at_the_limit_without_reading_it_all(service):
     """A chunked body that never ends: the server answers 413 once the limit is passed (it used
     to read the whole body first, so this request got no answer at all)."""
