@@ -46,7 +46,11 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="hpservice", version="0.1.0", lifespan=lifespan, **docs)
     supervisor = Supervisor(
-        store, settings.poll_interval_s, quotas=settings.quotas, backfill_bound_s=settings.backfill_bound_s
+        store,
+        settings.poll_interval_s,
+        quotas=settings.quotas,
+        backfill_bound_s=settings.backfill_bound_s,
+        lease_ttl_s=settings.lease_ttl_s,
     )
     app.state.settings, app.state.store, app.state.supervisor = settings, store, supervisor
     app.state.registry = health.make_registry(store)

@@ -16,6 +16,9 @@ from hpservice.spec import NAME_PATTERN
 
 from .scheduler import EVERYONE, Quota, Quotas
 
+LEASE_TTL_S = 10.0  # the supervisor lease: a replica that stopped renewing it (killed) is replaced after this long
+MIN_LEASE_TTL_S = 2.0  # several ticks: a leader slowed for a moment must not lose it
+
 
 @dataclass(frozen=True)
 class Principal:
@@ -46,6 +49,9 @@ class Settings:
     # that does not fit may be overtaken by smaller ones
     quotas: Quotas = field(default_factory=Quotas)
     backfill_bound_s: float = 600.0
+    # Replicas: how long a leader that stopped renewing the supervisor lease (killed) keeps it;
+    # a standby takes over after this long
+    lease_ttl_s: float = LEASE_TTL_S
 
     def __post_init__(self):
         self.tokens = dict(self.tokens)  # callers pass plain dicts; lookups go through principal_for

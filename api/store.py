@@ -193,17 +193,12 @@ class Store:
     ):
         """Insert a QUEUED job; returns (row dict, created). An idempotency key seen before for the
         same owner returns the existing job instead, or (None, False) when that job was submitted
-        with a different request (``request_hash``)."""
+        with a different request (``request_hash``); also when another replica stores the same
+        key at the same moment (the database's unique constraint decides which one)."""
+        if idempotency_key is not None and (existing := self._by_key(owner, idempotency_key, request_hash)):
+            return existing
         now = time.time()
         with self._writing() as s:
-            if idempotency_key is not None:
-                existing = s.scalar(
-                    select(JobRow).where(JobRow.owner == owner, JobRow.idempotency_key == idempotency_key)
-                )
-                if existing is not None:
-                    if request_hash is not None and existing.request_hash not in (None, request_hash):
-                        return None, False
-                    return existing.to_dict(), False
             history = [{"state": JobState.QUEUED, "time": now, "message": "submitted"}]
             row = JobRow(
                 id=job_id, name=name, owner=owner, state=JobState.QUEUED, message="submitted", spec_json=json.dumps(spec),
@@ -211,18 +206,28 @@ class Store:
                 history_json=json.dumps(history), idempotency_key=idempotency_key, request_hash=request_hash,
                 submitted_json=json.dumps(submitted) if submitted is not None else None,
             )  # fmt: skip
-            s.add(row)
-            self._add_event(
-                s, job_id, "state", {"state": JobState.QUEUED, "message": "submitted", "restarts": 0, "time": now}
-            )
-            try:
+            try:  # the INSERT happens at the event's flush or at the commit
+                s.add(row)
+                self._add_event(s, job_id, "state", {"state": JobState.QUEUED, "message": "submitted", "restarts": 0, "time": now})
                 s.commit()
-            except IntegrityError:  # another replica stored the same idempotency key first
-                if idempotency_key is None:
-                    raise
+                return row.to_dict(), True
+            except IntegrityError:
                 s.rollback()
-                return self.create_job(job_id, name, owner, spec, total_steps, idempotency_key, request_hash, submitted)
-            return row.to_dict(), True
+                existing = self._by_key(owner, idempotency_key, request_hash) if idempotency_key is not None else None
+                if existing is None:
+                    raise
+                return existing
+
+    def _by_key(self, owner: str, key: str, request_hash: str | None) -> tuple[dict | None, bool] | None:
+        """The job ``owner`` submitted with idempotency key ``key``: (its row dict, False), or
+        (None, False) when it was submitted with another request; None when there is none."""
+        with self.session() as s:
+            existing = s.scalar(select(JobRow).where(JobRow.owner == owner, JobRow.idempotency_key == key))
+            if existing is None:
+                return None
+            if request_hash is not None and existing.request_hash not in (None, request_hash):
+                return None, False
+            return existing.to_dict(), False
 
     def submitted_spec(self, job_id: str) -> dict | None:
         """The job's spec as its owner submitted it, before admission resolved its paths (None for

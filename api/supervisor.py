@@ -19,8 +19,9 @@ One background thread, every ``poll_interval_s``:
    message until it answers again. A job that ended has its coordinator shut down.
 
 Replicas: several servers may share one database; only the one holding the ``supervisor`` lease
-in the store (renewed every tick, ``LEASE_TTL_S``) runs the loop above, and a job is launched only
-by the caller whose atomic claim (``Store.claim_launch``) marked it started, so no job starts twice
+in the store (renewed every tick; it lapses ``--lease-ttl-s``, default 10 s, after the last
+renewal) runs the loop above, and a job is launched only by the caller whose atomic claim
+(``Store.claim_launch``) marked it started, so no job starts twice
 even while a lease changes hands. A replica that stops releases the lease; one that is killed is
 replaced when its lease expires, and the new leader re-attaches to every coordinator by name.
 
@@ -51,13 +52,13 @@ from hpservice.jobs import ACTIVE_STATES, COORDINATOR_ENDS, TERMINAL_STATES, WAI
 from hpservice.spec import parse_job
 
 from .scheduler import JobDemand, Quotas, decide
+from .settings import LEASE_TTL_S
 from .store import Store
 
 log = logging.getLogger("hpservice.api.supervisor")
 
 POLL_TIMEOUT_S = 30.0  # a coordinator that has not answered this long is unhealthy
 SUPERVISOR_LEASE = "supervisor"  # held by the one replica that launches and follows jobs
-LEASE_TTL_S = 10.0  # a replica that stopped renewing it (killed) is replaced after this long
 
 
 @dataclass

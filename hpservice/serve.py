@@ -34,6 +34,7 @@ def serve(
     num_gpus: int | None = None,
     quotas_file: str | None = None,
     backfill_bound_s: float = 600.0,
+    lease_ttl_s: float | None = None,
 ) -> int:
     if not ray_address:
         # Our own Ray head runs with Ray's token auth; Ray reads the mode once, at import.
@@ -52,6 +53,13 @@ def serve(
     if ray_address:
         settings.ray_address = ray_address
     settings.backfill_bound_s = backfill_bound_s
+    if lease_ttl_s is not None:
+        from hpservice.api.settings import MIN_LEASE_TTL_S
+
+        if not lease_ttl_s >= MIN_LEASE_TTL_S:
+            print(f"hpservice serve: --lease-ttl-s must be at least {MIN_LEASE_TTL_S:g}, got {lease_ttl_s:g}", file=sys.stderr)
+            return 2
+        settings.lease_ttl_s = lease_ttl_s
     try:
         settings.tokens = load_tokens(tokens_file)
         settings.quotas = load_quotas(quotas_file or os.environ.get("HPSERVICE_QUOTAS_FILE"))

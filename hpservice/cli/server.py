@@ -25,6 +25,13 @@ def add_parsers(sub) -> None:
         help="how long a queued job that does not fit may be overtaken by smaller jobs that do (default 600)",
     )
     serve.add_argument(
+        "--lease-ttl-s",
+        type=float,
+        default=None,
+        help="replicas on one database: how soon a standby takes over from a leader that stopped renewing "
+        "the supervisor lease (default 10)",
+    )
+    serve.add_argument(
         "--allow-model",
         action="append",
         default=[],
@@ -73,4 +80,5 @@ def _serve(args) -> int:
         num_gpus=args.num_gpus,
         quotas_file=args.quotas_file,
         backfill_bound_s=args.backfill_bound_s,
+        lease_ttl_s=args.lease_ttl_s,
     )

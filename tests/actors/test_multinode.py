@@ -240,10 +240,8 @@ def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_lo
     assert diff < 1e-5, diff
 
 
-def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(
-    ranks, tmp_path, store_url
-):
-    """One 2-CPU node, on SQLite and PostgreSQL. alice's priority-0 job runs; bob submits a priority-10 job that needs the
+def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(ranks, tmp_path):
+    """One 2-CPU node, SQLite (on both databases with stand-in coordinators: test_supervisor.py). alice's priority-0 job runs; bob submits a priority-10 job that needs the
     whole node: alice's is asked to checkpoint and stop, goes back to the queue PREEMPTED, bob's
     runs, then alice's resumes from its checkpoint. Its loss at every step is bitwise the
     undisturbed run's."""
@@ -254,7 +252,7 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
     low = _spec(tmp_path / "low", "low", training={"steps": steps}, checkpoint={"interval": 10, "keep": 2})
     high = _spec(tmp_path / "high", "high", training={"steps": 10}, scheduling={"priority": 10})
     with simulated_cluster({"num_cpus": 2}):
-        store = Store(store_url)
+        store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
         supervisor = Supervisor(store, poll_interval_s=0.2)
         store.create_job("low-0001", "low", "alice", low.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
@@ -293,8 +291,9 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
     assert [by_step[s] for s in range(1, steps + 1)] == expected
 
 
-def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(tmp_path, store_url):
-    """Real jobs on one 2-CPU node, on SQLite and PostgreSQL; alice may use 2 workers at once.
+def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(tmp_path, postgres):
+    """Real jobs on one 2-CPU node, the store on PostgreSQL (on both databases with stand-in
+    coordinators: test_supervisor.py); alice may use 2 workers at once.
     Long jobs run until the test cancels them, so each decision happens at a moment the test
     chooses: when a CPU frees, yvonne's job starts before alice's older one (fair share: alice
     already uses a worker) and before bob's older 2-worker job, which does not fit yet
@@ -319,7 +318,7 @@ def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(tmp_path, store_
 
     long = {"steps": 1_000_000}
     with simulated_cluster({"num_cpus": 2}):
-        store = Store(store_url)
+        store = Store(postgres.new_database())
         supervisor = Supervisor(store, poll_interval_s=0.2, quotas=Quotas({"alice": Quota(workers=2)}))
         supervisor.start()
         try:

@@ -1,6 +1,7 @@
 """The supervisor on a local Ray with stand-in coordinators: a frozen coordinator never stalls
 another job's supervision, and cancel and launch are one transition."""
 
+import contextlib
 import threading
 import time
 import uuid
@@ -28,16 +29,29 @@ def cluster():
 class FakeCoordinator:
     """Answers like a coordinator; a frozen one never answers (a SIGSTOPped process)."""
 
-    def __init__(self, frozen: bool):
-        self.frozen, self.step, self.stops, self.lines = frozen, 0, 0, []
+    def __init__(self, frozen: bool, steps: int | None = None):
+        self.frozen, self.steps, self.step, self.stops, self.lines = frozen, steps, 0, 0, []
+        self.preempted_by = None
 
     def poll(self, since_step):
         if self.frozen:
             time.sleep(3600)
-        self.step += 1  # one step per poll; like the real one it keeps every record for late pollers
-        status = {"state": "RUNNING", "message": f"at {self.step}", "step": self.step, "restarts": 0, "history": []}
+        if self.preempted_by is None and self.step != self.steps:
+            self.step += 1  # one step per poll; like the real one it keeps every record for late pollers
+        state, message, history = "RUNNING", f"at {self.step}", []
+        checkpoints = [{"step": self.step, "path": f"/ckpt/step-{self.step}"}] if self.step else []
+        if self.preempted_by is not None:  # as the real one: checkpointed at the step it was on, stopped
+            state, message = "PREEMPTED", f"{self.preempted_by}; stopped gracefully at step {self.step}"
+        elif self.step == self.steps:
+            state, message = "SUCCEEDED", "done"
+        history = [{"state": state, "time": float(self.step), "message": message}] if state != "RUNNING" else []
+        status = {"state": state, "message": message, "step": self.step, "restarts": 0, "history": history,
+                  "checkpoints": checkpoints}  # fmt: skip
         records = [{"step": s, "loss": 1.0 / s} for s in range(since_step + 1, self.step + 1)]
         return {"records": records, "status": status}
+
+    def shutdown(self):
+        ray.actor.exit_actor()
 
     def logs(self, rank, tail, since, since_seq):
         if self.frozen:
@@ -48,6 +62,7 @@ class FakeCoordinator:
 
     def stop(self, graceful, deadline_s, preempted_by=None):
         self.stops += 1
+        self.preempted_by = preempted_by
 
     def stop_requests(self):
         return self.stops
@@ -111,13 +126,17 @@ class _Recorder:
         self.stops += 1
 
 
-def _fake_start(launches):
-    """A ``start_job`` that starts a stand-in coordinator under the job's name."""
+def _fake_start(launches, hold_cpus=False):
+    """A ``start_job`` that starts a stand-in coordinator under the job's name (holding the CPUs
+    of the job's workers, with ``hold_cpus``, and ending after the job's steps, one per poll)."""
     from hpservice.actors import JobHandle
 
     def start_job(spec, job_id):
-        launches.append(job_id)
-        actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice").remote(False)
+        launches.append((job_id, spec))
+        cpus = spec.resources.workers * spec.resources.cpus_per_worker if hold_cpus else 0
+        actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice", num_cpus=cpus).remote(
+            False, spec.training.steps if hold_cpus else None
+        )
         ray.get(actor.stop_requests.remote(), timeout=60)
         return JobHandle(job_id, actor)
 
@@ -144,7 +163,7 @@ def test_a_cancel_on_another_replica_during_the_launch_is_one_transition(cluster
     for _ in range(4):
         _in_thread(leader.tick)
     handle = leader._handles[f"race-{tag}"]
-    assert launches == [f"race-{tag}"] and store.is_started(f"race-{tag}")
+    assert [job_id for job_id, _ in launches] == [f"race-{tag}"] and store.is_started(f"race-{tag}")
     deadline = time.monotonic() + 60
     while ray.get(handle.coordinator.stop_requests.remote(), timeout=30) == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -157,7 +176,7 @@ def test_a_cancel_on_another_replica_during_the_launch_is_one_transition(cluster
     other.cancel(store.get_job(f"first-{tag}"))  # the cancel first: never launched
     _in_thread(leader.tick)
     assert store.get_job(f"first-{tag}")["state"] == "CANCELLED" and not store.is_started(f"first-{tag}")
-    assert launches == [f"race-{tag}"]
+    assert [job_id for job_id, _ in launches] == [f"race-{tag}"]
     ray.kill(handle.coordinator)
 
 
@@ -202,8 +221,9 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
     cluster, store_url, monkeypatch
 ):
     """On the 2-CPU local Ray, with alice's quota at 1 worker: carol's priority-10 job starts
-    first, then alice's oldest; alice's second waits at her quota, bob's for resources. Every
-    reason is in the job's history once, however many ticks repeat it."""
+    first; dave's older 2-worker job does not fit in the CPU left, so alice's oldest starts ahead
+    of it (backfill); alice's second waits at her quota, bob's for resources. Every reason is in
+    the job's history once, however many ticks repeat it."""
     from hpservice.api.scheduler import Quota, Quotas
 
     store = Store(store_url)
@@ -211,6 +231,7 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
     launched = []
     monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id: launched.append(job_id) or object())
     one = {**SPEC, "resources": {"workers": 1, "use_gpu": False}}
+    store.create_job("d1", "s", "dave", {**SPEC, "resources": {"workers": 2, "use_gpu": False}}, 100, None)
     for job_id, owner, priority in (
         ("a1", "alice", None),
         ("a2", "alice", None),
@@ -223,6 +244,9 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
     assert launched == ["u", "a1"]
     assert store.get_job("a2")["message"] == "waiting: owner alice at quota 1/1 workers (this job needs 1)"
     assert store.get_job("b1")["message"].startswith("waiting for resources: needs 1 x 1 CPU")
+    assert store.get_job("d1")["message"] == (
+        "waiting for resources: needs 2 x 1 CPU (smaller jobs may start ahead of it until it has waited 600 s)"
+    )
     history = len(store.get_job("b1")["history"])
     for _ in range(3):
         sup._schedule(store.jobs_in(("QUEUED",)))
@@ -250,7 +274,7 @@ def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_me
         ) and time.monotonic() < deadline:
             time.sleep(0.1)
         leader, other = sorted(replicas, key=lambda r: not r.is_leader)
-        assert leader.is_leader and not other.is_leader and launches == ["two-1"]
+        assert leader.is_leader and not other.is_leader and [j for j, _ in launches] == ["two-1"]
         monkeypatch.setattr(leader.store, "release_lease", lambda *a: None)  # killed: it hands nothing over
         leader.stop()
         step = store.get_job("two-1")["step"]
@@ -260,6 +284,44 @@ def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_me
     finally:
         for r in replicas:
             r.stop()
-    assert launches == ["two-1"]  # never twice
+    assert [j for j, _ in launches] == ["two-1"]  # never twice
     steps = [r["step"] for r in store.metrics("two-1", 0)]
     assert steps == list(range(1, len(steps) + 1))  # no gap at the hand-over
+
+
+def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_checkpoint(cluster, store_url, monkeypatch):
+    """On the 2-CPU local Ray, with stand-in coordinators that hold their workers' CPUs: alice's
+    priority-0 job runs on both; bob's priority-10 job cannot fit, so alice's is asked to
+    checkpoint and stop, comes back PREEMPTED and waits, bob's starts, and when it ends
+    alice's is launched again, resuming from its latest checkpoint. (The real jobs' version,
+    with the loss curve, is test_multinode.py's.)"""
+    tag = uuid.uuid4().hex[:6]
+    low, high = f"low-{tag}", f"high-{tag}"
+    store = Store(store_url)
+    sup = Supervisor(store, poll_interval_s=0.1)
+    launches = []
+    monkeypatch.setattr(supervisor_module, "start_job", _fake_start(launches, hold_cpus=True))
+    two = {**SPEC, "resources": {"workers": 2, "use_gpu": False}}
+    store.create_job(low, "s", "alice", {**two, "training": {"steps": 1000}}, 1000, None)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 120
+        while store.get_job(low)["step"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        store.create_job(high, "s", "bob", {**two, "training": {"steps": 5}, "scheduling": {"priority": 10}}, 5, None)
+        while store.get_job(high)["state"] != "SUCCEEDED" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        while len(launches) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        sup.stop()
+    assert [job_id for job_id, _ in launches] == [low, high, low], launches
+    assert launches[0][1].checkpoint.resume_from is None and launches[2][1].checkpoint.resume_from == "latest"
+    history = [(h["state"], h["message"]) for h in store.get_job(low)["history"]]
+    preempted = [m for state, m in history if state == "PREEMPTED"]
+    assert preempted and preempted[0].startswith(f"preempted by job {high} (priority 10 > 0); stopped gracefully at step")
+    waits = [h["message"] for h in store.get_job(high)["history"]]
+    assert f"waiting for {low} to checkpoint and stop (preempted for it)" in waits
+    assert store.is_started(low) and store.get_job(low)["state"] in ("PREEMPTED", "RUNNING")
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(coordinator_name(low), namespace="hpservice"))

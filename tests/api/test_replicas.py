@@ -64,9 +64,9 @@ def test_two_serve_replicas_one_killed_mid_job(tmp_path):
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     servers = []
     try:
-        servers.append(_start(tmp_path, data, ports[0], 1, "--num-cpus", "3"))
+        servers.append(_start(tmp_path, data, ports[0], 1, "--num-cpus", "3", "--lease-ttl-s", "3"))
         _wait(lambda: httpx.get(f"{urls[0]}/readyz", timeout=5).status_code == 200, 240, "replica 1")
-        servers.append(_start(tmp_path, data, ports[1], 2))  # joins the Ray head replica 1 started
+        servers.append(_start(tmp_path, data, ports[1], 2, "--lease-ttl-s", "3"))  # joins replica 1's Ray head
         _wait(lambda: httpx.get(f"{urls[1]}/readyz", timeout=5).status_code == 200, 240, "replica 2")
         roles = _wait(lambda: sorted(r := [_role(u) for u in urls]) == ["leader", "standby"] and r, 60, "a leader")
         leader = roles.index("leader")

@@ -117,3 +117,29 @@ def test_concurrent_writers_to_one_job_take_turns_and_lose_nothing(store_url):
     messages = [h["message"] for h in leader.get_job("j1")["history"]]
     assert [m for m in messages if m.startswith("waiting: reason")] == [f"waiting: reason {i}" for i in range(rounds)]
     assert [m for m in messages if m.startswith("waiting: other")] == [f"waiting: other reason {i}" for i in range(rounds)]
+
+
+def test_one_idempotency_key_sent_to_several_replicas_at_once_makes_one_job(store_url):
+    """The same submission (one idempotency key) reaches four replicas at the same moment: one
+    job is stored, and every replica answers with it."""
+    stores = [Store(store_url) for _ in range(4)]
+    answers, errors = [], []
+    barrier = threading.Barrier(4)
+
+    def submit(i):
+        try:
+            barrier.wait(30)
+            answers.append(stores[i].create_job(f"job-{i}", "s", "alice", SPEC, 10, "key-1", "hash-1"))
+        except Exception as e:  # asserted below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(answers) == 4
+    assert sorted(created for _, created in answers) == [False, False, False, True]
+    assert len({row["id"] for row, _ in answers}) == 1
+    assert stores[0].count_by_state() == {"QUEUED": 1}
+    assert stores[1].create_job("job-x", "s", "alice", SPEC, 10, "key-1", "other-hash") == (None, False)
