@@ -43,6 +43,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from hpservice.jobs import WAITING_STATES, JobState
 
+from .migrations import upgrade
+
 
 class Base(DeclarativeBase):
     pass
@@ -131,8 +133,6 @@ class HeartbeatRow(Base):
 
 class Store:
     def __init__(self, url: str):
-        from .migrations import upgrade
-
         sqlite = self._sqlite = url.startswith("sqlite")
         self.engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30} if sqlite else {})
         if sqlite:

@@ -132,12 +132,12 @@ def _fake_start(launches, hold_cpus=False):
     from hpservice.actors import JobHandle
 
     def start_job(spec, job_id):
-        launches.append((job_id, spec))
         cpus = spec.resources.workers * spec.resources.cpus_per_worker if hold_cpus else 0
         actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice", num_cpus=cpus).remote(
             False, spec.training.steps if hold_cpus else None
-        )
+        )  # ValueError while the name is still held (a coordinator that is exiting): the supervisor retries
         ray.get(actor.stop_requests.remote(), timeout=60)
+        launches.append((job_id, spec))
         return JobHandle(job_id, actor)
 
     return start_job
@@ -311,7 +311,7 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_c
         store.create_job(high, "s", "bob", {**two, "training": {"steps": 5}, "scheduling": {"priority": 10}}, 5, None)
         while store.get_job(high)["state"] != "SUCCEEDED" and time.monotonic() < deadline:
             time.sleep(0.1)
-        while len(launches) < 3 and time.monotonic() < deadline:
+        while not (len(launches) == 3 and store.is_started(low)) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         sup.stop()
