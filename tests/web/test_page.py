@@ -309,6 +309,18 @@ def css(driver, selector: str):
     return driver.find_element(By.CSS_SELECTOR, selector)
 
 
+def click_fresh(driver, selector: str) -> bool:
+    """Click the first element ``selector`` finds now; False (ask again) when the page replaced
+    it between the find and the click, as a list that re-renders on every poll does."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        css(driver, selector).click()
+    except StaleElementReferenceException:
+        return False
+    return True
+
+
 def css_all(driver, selector: str):
     from selenium.webdriver.common.by import By
 
@@ -381,7 +393,7 @@ def test_page_shows_a_live_job(browser):
         # the profiler trace is listed and downloads through fetch (so a token would go in a header)
         link = wait(browser, lambda d: css_all(d, '[data-testid="artifacts"] a'))[0]
         assert link.text == ARTIFACT and "2.0 KiB" in css(browser, '[data-testid="artifacts"]').text
-        link.click()
+        wait(browser, lambda d: click_fresh(d, '[data-testid="artifacts"] a'))  # the list re-renders as the job polls
         wait(browser, lambda d: fake.downloads)
         assert fake.downloads == [(ARTIFACT, None)]
 
