@@ -56,8 +56,8 @@ def serve(
     if lease_ttl_s is not None:
         from hpservice.api.settings import MIN_LEASE_TTL_S
 
-        if not lease_ttl_s >= MIN_LEASE_TTL_S:
-            print(f"hpservice serve: --lease-ttl-s must be at least {MIN_LEASE_TTL_S:g}, got {lease_ttl_s:g}", file=sys.stderr)
+        if not MIN_LEASE_TTL_S <= lease_ttl_s < float("inf"):  # inf: a killed leader would never be replaced
+            print(f"hpservice serve: --lease-ttl-s must be a number of seconds >= {MIN_LEASE_TTL_S:g}, got {lease_ttl_s:g}", file=sys.stderr)
             return 2
         settings.lease_ttl_s = lease_ttl_s
     try:
