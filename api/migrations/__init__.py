@@ -16,6 +16,7 @@ find the schema current.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,8 +39,9 @@ def config(connection: Connection | None = None) -> Config:
     return cfg
 
 
+@functools.cache
 def head() -> str:
-    """The newest revision."""
+    """The newest revision (read from ``versions/`` once per process: every store open asks)."""
     return ScriptDirectory.from_config(config()).get_current_head()
 
 
