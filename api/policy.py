@@ -12,7 +12,8 @@ answers with 422. The rules:
   Relative ``metrics.dir`` / ``checkpoint.dir`` resolve there; absolute paths must stay inside it
   (symlinks and ``..`` are resolved first). Storage URLs are refused, since this server has no
   storage prefix of its own.
-- **Inputs.** ``data.path``, ``data.tokenizer`` and their ``eval.data`` twins must lie under one
+- **Inputs.** Checked here by name, and again by each worker on the file it opens
+  (``JobSpec.input_roots``, below). ``data.path``, ``data.tokenizer`` and their ``eval.data`` twins must lie under one
   of the operator's data roots
   (``Settings.data_roots``, ``--data-root``); with none configured, the service reads no files.
   ``checkpoint.resume_from`` and ``model.init_from`` may name a checkpoint in one of the owner's
@@ -96,9 +97,19 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
             "metrics": spec.metrics.model_copy(update={"dir": str(metrics_dir)}),
             "checkpoint": spec.checkpoint.model_copy(update={"dir": checkpoint_dir, "resume_from": resume}),
             "run_id": None,
+            "input_roots": input_roots(settings, principal, home),
         }
     )
     return checked.with_run(job_id)
+
+
+def input_roots(settings: Settings, principal: Principal, home: Path) -> list[str]:
+    """Where the job's workers may open inputs (checked on each file as it is opened, see
+    ``hpservice.inputs``): the data roots, and the job directories its checkpoint inputs may come
+    from (the owner's; every owner's for an admin). The rules above, as directories."""
+    jobs = home.parent.parent
+    own = jobs if principal.admin else jobs / principal.owner
+    return [str(_real(r)) for r in settings.data_roots] + [str(own)]
 
 
 def _admit_data(data, field: str, home: Path, settings: Settings, errors: list):

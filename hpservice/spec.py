@@ -19,7 +19,7 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -426,6 +426,12 @@ class JobSpec(_Section):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$",
         description="set by hpservice when the run starts (the job id in the service): the run's outputs go under "
         "<metrics.dir>/<run_id>; leave unset",
+    )
+    input_roots: list[Annotated[str, Field(max_length=_MAX_PATH)]] | None = Field(
+        None,
+        max_length=64,
+        description="set by the service when it admits a job: the directories its workers may read inputs from "
+        "(checked on each file as it is opened); unset (anywhere) under hpservice run; a submitted value is replaced",
     )
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)

@@ -3,6 +3,7 @@
 manager = CheckpointManager("ckpt", keep=3, async_save=True)
 manager.save(step, model, optimizer, extra={"step": step})
 extra = manager.load(model, optimizer)           # any world size / mesh
+extra = CheckpointReader("other/step-00000100").load(model, optimizer)  # an input: read-only, no code runs
 export_safetensors(manager.latest()["path"], "model.safetensors")
 
 The root is a local directory (a path or a ``file://`` URL) or any fsspec URL, e.g.
@@ -10,15 +11,19 @@ The root is a local directory (a path or a ``file://`` URL) or any fsspec URL, e
 see ``_storage``).
 """
 
+from ._errors import CheckpointError, CheckpointStorageError, UnsafeCheckpointError
 from ._export import export_safetensors, load_full_state_dict
-from ._manager import CheckpointError, CheckpointInfo, CheckpointManager, CheckpointStorageError, verify_files
+from ._manager import CheckpointInfo, CheckpointManager
+from ._reader import CheckpointReader, verify_files
 from ._state import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointReader",
     "CheckpointStorageError",
+    "UnsafeCheckpointError",
     "export_safetensors",
     "load_full_state_dict",
     "load_optimizer_state_dict",

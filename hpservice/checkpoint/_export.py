@@ -12,13 +12,12 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 
 from hpservice.dtensor import DTensor
 
-from ._manager import CheckpointError, single_process_quiet, verify_files
+from ._errors import CheckpointError
+from ._reader import CheckpointReader
 
 __all__ = ["export_safetensors", "load_full_state_dict"]
 
@@ -27,21 +26,9 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike) ->
     """Write the full model state dict of a committed checkpoint to ``out``; returns name -> shape."""
     from safetensors.torch import save_file
 
-    path = Path(checkpoint)
-    verify_files(path)
-    metadata = FileSystemReader(str(path)).read_metadata()
-    targets: dict[str, torch.Tensor] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        fqn_path = metadata.planner_data[key]
-        if fqn_path[0] == "model" and hasattr(md, "size"):
-            targets[fqn_path[1]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    if not targets:
-        raise CheckpointError(f"{path} holds no model tensors")
-    state = {"model": targets}
-    with single_process_quiet(True):
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(out))
-    return {k: tuple(v.shape) for k, v in state["model"].items()}
+    tensors = CheckpointReader(Path(checkpoint)).load_model_tensors()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out))
+    return {k: tuple(v.shape) for k, v in tensors.items()}
 
 
 def load_full_state_dict(

@@ -37,8 +37,6 @@ own, so its collectives never interleave with training's. The next ``save`` (and
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import re
@@ -46,7 +44,6 @@ import shutil
 import socket
 import time
 import uuid
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,27 +52,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpservice.dtensor import DTensor
 
-from ._state import load_optimizer_state_dict, optimizer_load_targets, optimizer_state_dict
+from ._errors import CheckpointError, CheckpointStorageError
+from ._reader import CheckpointReader, check_shapes, sha256_of, single_process_quiet, verify_files
+from ._state import optimizer_state_dict
 from ._storage import MANIFEST, FsspecStorage, is_remote, local_path
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointStorageError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointStorageError",
+    "check_shapes",
+    "single_process_quiet",
+    "verify_files",
+]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not match the model."""
-
-
-class CheckpointStorageError(CheckpointError):
-    """The checkpoint directory is not one storage for every rank (node-local disks): no
-    checkpoint of this job can be committed there, whatever is retried."""
 
 
 def _root_cause(e: BaseException) -> str:
@@ -108,14 +106,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class _RecordingWriter(FileSystemWriter):
     """torch's FileSystemWriter, remembering the files this rank wrote (for the manifest)."""
 
@@ -129,7 +119,7 @@ class _RecordingWriter(FileSystemWriter):
 
 def _describe_file(tmp: Path, name: str, rank: int) -> dict:
     path = tmp / name
-    return {"name": name, "size": path.stat().st_size, "sha256": _sha256(path), "rank": rank}
+    return {"name": name, "size": path.stat().st_size, "sha256": sha256_of(path), "rank": rank}
 
 
 def _host() -> str:
@@ -203,6 +193,11 @@ class CheckpointManager:
         self._barrier()
         if self._remote is None and self._group is not None:
             self._check_shared()
+
+    @property
+    def group(self):
+        """The gloo group the manager's collectives use (None in a single process)."""
+        return self._group
 
     def _check_shared(self) -> None:
         """Every rank sees a file rank 0 wrote under ``root``, or ``CheckpointStorageError``
@@ -478,42 +473,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointError(f"no committed checkpoint under {self.root}")
-        path = self.resolve(step)
-        if self._remote is not None:
-            name = self._remote.name_of(path)
-            self._remote.verify(name)
-            metadata = self._remote.reader(name).read_metadata()
-        else:
-            verify_files(path)
-            metadata = FileSystemReader(str(path)).read_metadata()
-        saved = {tuple(v): metadata.state_dict_metadata[k] for k, v in metadata.planner_data.items()}
-        state: dict[str, Any] = {"model": model.state_dict()}
-        check_shapes(saved, state["model"], "model")
-        if optimizer is not None:
-            if not any(k[0] == "optim" for k in saved):
-                raise CheckpointError(f"{path} holds no optimizer state")
-            state["optim"] = optimizer_load_targets(model, {k: v for k, v in saved.items() if k[0] == "optim"})
-        where = (
-            {"storage_reader": self._remote.reader(name)} if self._remote is not None else {"checkpoint_id": str(path)}
-        )
-        with single_process_quiet(self._group is None):
-            dcp.load(state, **where, process_group=self._group, no_dist=self._group is None)
-        if optimizer is not None:
-            load_optimizer_state_dict(model, optimizer, state["optim"])
-        if self._remote is not None:
-            return self._remote.load_extra(name, _rank())
-        extra_dir = path / "extra"
-        mine = extra_dir / f"rank-{_rank()}.pt"
-        return torch.load(mine if mine.exists() else extra_dir / "rank-0.pt", weights_only=False)
-
-
-@contextlib.contextmanager
-def single_process_quiet(active: bool):
-    """DCP warns that it assumes a single process even when told so (no_dist=True): silence that."""
-    with warnings.catch_warnings():
-        if active:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+        return CheckpointReader(self.resolve(step)).load(model, optimizer, group=self._group)
 
 
 def _missing(tmp: Path, files: list[dict]) -> str | None:
@@ -530,40 +490,3 @@ def _missing(tmp: Path, files: list[dict]) -> str | None:
         f"{'; '.join(parts)} missing at rank 0's {tmp} (on {_host()}): the checkpoint directory is not one storage "
         "for every rank (node-local disks?)"
     )
-
-
-def verify_files(path: Path, *, checksums: bool = False) -> dict:
-    """The manifest of ``path``, after checking every listed file exists with its size (and hash)."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{path} is not a committed checkpoint (no {MANIFEST})")
-    manifest = json.loads(manifest_path.read_text())
-    for f in manifest["files"]:
-        p = path / f["name"]
-        if not p.is_file():
-            raise CheckpointError(f"{path} is incomplete: {f['name']} is missing")
-        if p.stat().st_size != f["size"]:
-            raise CheckpointError(
-                f"{path} is corrupt: {f['name']} has {p.stat().st_size} bytes, manifest says {f['size']}"
-            )
-        if checksums and _sha256(p) != f["sha256"]:
-            raise CheckpointError(f"{path} is corrupt: {f['name']} fails its sha256 check")
-    return manifest
-
-
-def check_shapes(saved: dict[tuple, Any], targets: dict[str, Any], prefix: str) -> None:
-    """Name every missing key and every shape mismatch before loading anything."""
-    missing, mismatched = [], []
-    for name, value in targets.items():
-        md = saved.get((prefix, name))
-        if md is None:
-            missing.append(name)
-        elif isinstance(value, torch.Tensor) and tuple(getattr(md, "size", ())) != tuple(value.shape):
-            mismatched.append(f"{name}: checkpoint {tuple(md.size)} vs model {tuple(value.shape)}")
-    if missing or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {missing}")
-        if mismatched:
-            parts.append(f"shape mismatches: {mismatched}")
-        raise CheckpointError("checkpoint does not match the model; " + "; ".join(parts))

@@ -9,12 +9,13 @@ stay DTensors (each rank saves only its shard) or plain tensors (replicated: sav
 from __future__ import annotations
 
 import io
-import pickle
 
 import torch
 import torch.nn as nn
 
 from hpservice.dtensor import DTensor
+
+from ._untrusted import load_param_groups, save_param_groups
 
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict", "param_names"]
 
@@ -25,7 +26,7 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """{"state": {fqn: {key: tensor}}, "param_groups": BytesIO(pickled groups with fqn lists)}."""
+    """{"state": {fqn: {key: tensor}}, "param_groups": BytesIO(torch.save of the groups, with fqn lists)}."""
     names = param_names(model)
     state: dict[str, dict] = {}
     groups = []
@@ -38,7 +39,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
             if p in optimizer.state:
                 state[names[id(p)]] = dict(optimizer.state[p])
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
-    return {"state": state, "param_groups": io.BytesIO(pickle.dumps(groups))}
+    return {"state": state, "param_groups": save_param_groups(groups)}
 
 
 def optimizer_load_targets(model: nn.Module, saved_keys: dict[tuple, object]) -> dict:
@@ -67,7 +68,7 @@ def optimizer_load_targets(model: nn.Module, saved_keys: dict[tuple, object]) ->
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
     """Put name-keyed optimizer state (as loaded by DCP) into ``optimizer``."""
     names = param_names(model)
-    saved_groups = pickle.loads(loaded["param_groups"].getvalue())
+    saved_groups = load_param_groups(loaded["param_groups"].getvalue())
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
             f"optimizer has {len(optimizer.param_groups)} param groups, the checkpoint {len(saved_groups)}"

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from ._errors import CheckpointError
+
 __all__ = ["FsspecStorage", "is_remote", "local_path"]
 
 MANIFEST = "manifest.json"
@@ -145,8 +147,6 @@ class FsspecStorage:
     def verify(self, name: str) -> dict:
         """The manifest of ``name``, after checking every listed file exists with its size."""
         where = self.location(name)
-        from ._manager import CheckpointError  # (a cycle at import time otherwise)
-
         manifest = self.manifest(name)
         if manifest is None:  # the same messages as the local verify_files
             raise CheckpointError(f"{where} is not a committed checkpoint (no {MANIFEST})")
@@ -199,12 +199,17 @@ class FsspecStorage:
             self.fs.makedirs(self._path(name, "extra"), exist_ok=True)
         self.fs.pipe_file(self._path(name, "extra", f"rank-{rank}.pt"), buffer.getvalue())
 
-    def load_extra(self, name: str, rank: int) -> dict[str, Any]:
-        try:
-            data = self.fs.cat_file(self._path(name, "extra", f"rank-{rank}.pt"))
-        except FileNotFoundError:
-            data = self.fs.cat_file(self._path(name, "extra", "rank-0.pt"))
-        return torch.load(io.BytesIO(data), weights_only=False)
+    def read_extra(self, name: str, rank: int) -> tuple[bytes, str]:
+        """The bytes of rank ``rank``'s trainer state under ``name`` (rank 0's when it saved none)
+        and their URL; untrusted, loaded by ``_untrusted.load_extra_bytes``."""
+        for r in (rank, 0):
+            path = self._path(name, "extra", f"rank-{r}.pt")
+            try:
+                return self.fs.cat_file(path), f"{self.location(name)}/extra/rank-{r}.pt"
+            except FileNotFoundError:
+                if r == 0:
+                    raise
+        raise AssertionError("unreachable")
 
     def commit(self, name: str, manifest: dict[str, Any]) -> None:
         """List what every rank wrote under ``name``, then write the manifest last (one PUT)."""

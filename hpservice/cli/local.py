@@ -158,9 +158,7 @@ def _load_for_generation(path: str):
     Hugging Face directory."""
     from pathlib import Path
 
-    import torch
-
-    from hpservice.checkpoint import CheckpointManager
+    from hpservice.checkpoint import CheckpointReader
     from hpservice.models.hf import llama_config_from_hf, load_hf_weights
     from hpservice.models.llama import Llama, LlamaConfig
 
@@ -169,11 +167,12 @@ def _load_for_generation(path: str):
         model = Llama(llama_config_from_hf(p))
         load_hf_weights(model, p)
         return model
-    recorded = torch.load(p / "extra" / "rank-0.pt", weights_only=True).get("model") or {}
+    checkpoint = CheckpointReader(p)  # an input: read, never written, nothing in it runs
+    recorded = checkpoint.extra(0).get("model") or {}
     if recorded.get("name") != "llama":
         raise ValueError(f"{p}: not a llama checkpoint with its config recorded")
     model = Llama(LlamaConfig(**recorded["config"]))
-    CheckpointManager(p.parent).load(model, step=int(p.name.removeprefix("step-")))
+    checkpoint.load(model)
     return model
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpservice.inputs import open_input
+
 from ._base import TAG_WINDOWS, TokenSource, check_int, check_seed, seeded_rng
 from ._tokenizer import ByteTokenizer
 
@@ -102,8 +104,9 @@ class _MemmapWindows(TokenSource):
     @property
     def tokens(self) -> np.memmap:
         """The whole file as a read-only 1-D memmap (opened on first use)."""
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        if self._mmap is None:  # an input: read-only, and confined to the job's input roots when opened
+            with open_input(self.path) as f:
+                self._mmap = np.memmap(f, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
         return self._mmap
 
     def window_starts(self, step: int, global_batch: int, seq_len: int) -> np.ndarray:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpservice.inputs import InputError, open_input
+
 from ._files import write_token_file
 
 __all__ = ["DataPrepError", "metadata_path", "prepare_data", "read_metadata", "train_tokenizer"]
@@ -45,7 +47,8 @@ def read_metadata(token_file: str | Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        with open_input(path, "r") as f:
+            return json.loads(f.read())
     except ValueError as e:
         raise DataPrepError(f"{path}: not valid JSON ({e})") from None
 
@@ -58,7 +61,7 @@ def _documents(inputs: list[Path], field: str) -> Iterator[str]:
             yield from _parquet_documents(path, field)
             continue
         if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as f:
+            with open_input(path, "r") as f:
                 for n, line in enumerate(f, start=1):
                     if not line.strip():
                         continue
@@ -72,7 +75,8 @@ def _documents(inputs: list[Path], field: str) -> Iterator[str]:
                     yield text
         else:
             try:
-                yield path.read_text(encoding="utf-8")
+                with open_input(path, "r") as f:
+                    yield f.read()
             except UnicodeDecodeError as e:
                 raise DataPrepError(f"{path}: not UTF-8 text ({e})") from None
 
@@ -83,19 +87,23 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataPrepError(f"{path}: Parquet input needs pyarrow (pip install pyarrow)") from None
+    source = open_input(path)  # confined when opened; pyarrow reads this very file
     try:
-        handle = pq.ParquetFile(path)
+        handle = pq.ParquetFile(source)
     except Exception as e:  # pyarrow's own error types for a file that is not Parquet
+        source.close()
         raise DataPrepError(f"{path}: not a Parquet file ({e})") from None
     if field not in handle.schema_arrow.names:
+        source.close()
         raise DataPrepError(f"{path}: no column {field!r} (columns: {', '.join(handle.schema_arrow.names)}; use --field)")
     row = 0
-    for batch in handle.iter_batches(columns=[field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(value, str):
-                raise DataPrepError(f"{path}: row {row}: column {field!r} is not a string ({type(value).__name__})")
-            yield value
+    with source:
+        for batch in handle.iter_batches(columns=[field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(value, str):
+                    raise DataPrepError(f"{path}: row {row}: column {field!r} is not a string ({type(value).__name__})")
+                yield value
 
 
 def train_tokenizer(inputs: list[str | Path], out: str | Path, vocab_size: int, *, field: str = "text") -> Path:
@@ -133,7 +141,11 @@ def prepare_data(
 
     tokenizer = Path(tokenizer)
     try:
-        tok = Tokenizer.from_file(str(tokenizer))
+        with open_input(tokenizer) as f:  # read once, confined: the hash below is of what was loaded
+            tokenizer_bytes = f.read()
+        tok = Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
+    except InputError:
+        raise
     except Exception as e:  # tokenizers raises its own exception type for unreadable files
         raise DataPrepError(f"{tokenizer}: cannot load a tokenizers tokenizer.json ({e})") from None
     vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -168,7 +180,7 @@ def prepare_data(
         bar.close()
     if not counts["train"]:
         raise DataPrepError(f"no documents in {', '.join(map(str, inputs))}")
-    sha = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    sha = hashlib.sha256(tokenizer_bytes).hexdigest()
     written = {}
     for split, arrays in splits.items():
         if split == "val" and not every:

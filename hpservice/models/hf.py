@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
+
+from hpservice.checkpoint._reader import CheckpointReader, single_process_quiet
+from hpservice.inputs import InputError, open_input, opened_path
 
 from .llama import Llama, LlamaConfig
 
@@ -42,7 +46,10 @@ class HFFormatError(ValueError):
 def _read_config(path: Path) -> dict:
     config = Path(path) / "config.json"
     try:
-        return json.loads(config.read_text())
+        with open_input(config, "r") as f:
+            return json.loads(f.read())
+    except InputError:
+        raise
     except OSError as e:
         raise HFFormatError(f"{config}: cannot read ({e.strerror})") from None
     except ValueError as e:
@@ -135,11 +142,13 @@ class _SafetensorsDir:
         from safetensors import safe_open
 
         self.path, self._open, self._files = path, safe_open, {}
+        self._real = Path(os.path.realpath(path))  # every file read must lie in the checkpoint's directory
         index = path / "model.safetensors.index.json"
         single = path / "model.safetensors"
         if index.is_file():
             try:
-                self.where = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+                with open_input(index, "r", within=[self._real]) as f:
+                    self.where = {k: path / v for k, v in json.loads(f.read())["weight_map"].items()}
             except (ValueError, KeyError) as e:
                 raise HFFormatError(f"{index}: not a safetensors index ({e})") from None
         elif single.is_file():
@@ -151,7 +160,10 @@ class _SafetensorsDir:
     def _file(self, f: Path):
         if f not in self._files:
             try:
-                self._files[f] = self._open(str(f), framework="pt")
+                with open_input(f, within=[self._real]) as opened:  # safetensors maps this very file
+                    self._files[f] = self._open(opened_path(opened, f), framework="pt")
+            except InputError:
+                raise
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise HFFormatError(f"{f}: cannot read safetensors ({e})") from None
         return self._files[f]
@@ -254,15 +266,15 @@ def export_hf(checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_
     time (at most ``max_shard_bytes`` of tensors in memory, or one tensor if larger). Writes into
     ``out`` + ``.tmp`` and renames at the end: a failed export leaves nothing at ``out``.
     Returns ``{"files": [...], "tensors": N}``."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    with CheckpointReader(checkpoint).opened() as (reader, _, _):
+        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes)
+
+
+def _export_hf(checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_bytes: int) -> dict:
     import shutil
 
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from hpservice.checkpoint._manager import verify_files
-
-    checkpoint, out = Path(checkpoint), Path(out)
-    verify_files(checkpoint)
-    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    metadata = reader.read_metadata()
     ours = {}
     for key, md in metadata.state_dict_metadata.items():
         path = metadata.planner_data[key]
@@ -293,7 +305,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        files = _write_shards(checkpoint, tmp, groups, ours, cfg)
+        files = _write_shards(reader, tmp, groups, ours, cfg)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -314,13 +326,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_
     return {"files": [f for f, _ in files], "tensors": len(weight_map)}
 
 
-def _write_shards(checkpoint: Path, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig) -> list:
+def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig) -> list:
     """One safetensors file per group of tensors, read from the checkpoint group by group."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from hpservice.checkpoint._manager import single_process_quiet
 
     files = []
     for i, group in enumerate(groups, start=1):
@@ -328,7 +338,7 @@ def _write_shards(checkpoint: Path, tmp: Path, groups: list, ours: dict, cfg: Ll
         with single_process_quiet(True):
             dcp.load(
                 {"model": targets},
-                checkpoint_id=str(checkpoint),
+                storage_reader=reader,
                 planner=DefaultLoadPlanner(allow_partial_load=True),
                 no_dist=True,
             )
@@ -342,11 +352,10 @@ def _write_shards(checkpoint: Path, tmp: Path, groups: list, ours: dict, cfg: Ll
 
 def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30) -> dict:
     """``export_hf`` with the model config the trainer recorded in the checkpoint (a llama's)."""
-    extra = Path(checkpoint) / "extra" / "rank-0.pt"
     try:
-        recorded = torch.load(extra, weights_only=True).get("model")
+        recorded = CheckpointReader(checkpoint).extra(0).get("model")
     except (OSError, RuntimeError) as e:
-        raise HFFormatError(f"{checkpoint}: cannot read the trainer's record {extra} ({e})") from None
+        raise HFFormatError(f"{checkpoint}: cannot read the trainer's record extra/rank-0.pt ({e})") from None
     if not recorded or recorded.get("name") != "llama" or not recorded.get("config"):
         raise HFFormatError(
             f"{checkpoint}: no llama model config recorded (a checkpoint of another model, or written before "

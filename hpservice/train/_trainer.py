@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hpservice.checkpoint import CheckpointManager
+from hpservice.checkpoint import CheckpointManager, CheckpointReader
 from hpservice.data import build_source
 from hpservice.dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor, init_device_mesh
 from hpservice.dtensor import random as dtensor_random
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hpservice.inputs import confine, open_input
 from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
 from hpservice.models.hf import load_hf_weights
@@ -154,7 +155,8 @@ def _file_key(path: str, tokenizer: str) -> str:
 
     st = Path(path).stat()
     h = hashlib.sha256(f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    h.update(Path(tokenizer).read_bytes())
+    with open_input(tokenizer) as f:
+        h.update(f.read())
     return h.hexdigest()[:12]
 
 
@@ -265,6 +267,7 @@ class Trainer:
     ):
         """``on_metrics(record)`` and ``on_checkpoint(info)`` run on rank 0 after each step / commit;
         ``log_fn(line)`` receives progress lines (default: print, unless ``log_to_stdout`` is False)."""
+        confine(spec.input_roots)  # inputs are checked again on each file as it is opened
         self.spec = spec
         self.on_metrics = on_metrics
         self.on_checkpoint = on_checkpoint
@@ -409,13 +412,14 @@ class Trainer:
                 return
             extra = self.checkpoints.load(self.model, self.optimizer)
         else:
-            root, _, name = resume_from.rstrip("/").rpartition("/")  # a path or a URL: .../step-N
+            name = resume_from.rstrip("/").rpartition("/")[2]  # a path or a URL: .../step-N
             if not name.startswith("step-") or not name.removeprefix("step-").isdigit():
                 raise TrainingError(
                     f"checkpoint.resume_from: expected 'latest' or a .../step-N directory, got {resume_from!r}"
                 )
-            manager = CheckpointManager(root or ".")
-            extra = manager.load(self.model, self.optimizer, step=int(name.removeprefix("step-")))
+            # an input (another run's, or a tenant's files): read-only, confined, no code in it runs
+            reader = CheckpointReader(resume_from)
+            extra = reader.load(self.model, self.optimizer, group=self.checkpoints.group)
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
