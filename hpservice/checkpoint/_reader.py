@@ -21,15 +21,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
-from hpservice.inputs import input_dir, open_input
+from hpservice.inputs import InputError, input_dir, open_input
 
 from ._errors import CheckpointError
 from ._state import load_optimizer_state_dict, optimizer_load_targets
 from ._storage import MANIFEST, FsspecStorage, is_remote, local_path
 from ._untrusted import SafeFileSystemReader, SafeFsspecReader, load_extra_bytes
 
-__all__ = ["CheckpointReader", "check_shapes", "sha256_of", "single_process_quiet", "verify_files"]
+__all__ = ["CheckpointReader", "check_shapes", "dcp_load", "sha256_of", "single_process_quiet", "verify_files"]
 
 
 def _rank() -> int:
@@ -104,8 +105,7 @@ class CheckpointReader:
                 if not any(k[0] == "optim" for k in saved):
                     raise CheckpointError(f"{self.location} holds no optimizer state")
                 state["optim"] = optimizer_load_targets(model, {k: v for k, v in saved.items() if k[0] == "optim"})
-            with single_process_quiet(group is None):
-                dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
+            dcp_load(state, reader, self.location, group=group)
             if optimizer is not None:
                 load_optimizer_state_dict(model, optimizer, state["optim"])
             return extra(_rank())
@@ -122,9 +122,24 @@ class CheckpointReader:
             if not targets:
                 raise CheckpointError(f"{self.location} holds no model tensors")
             state = {"model": targets}
-            with single_process_quiet(True):
-                dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp_load(state, reader, self.location)
             return state["model"]
+
+
+def dcp_load(state: dict, reader, location, *, group=None, planner=None) -> None:
+    """``dcp.load`` of ``state`` through ``reader``, collective over ``group`` (None: this process
+    alone), with a refusal or an error on any rank raised as itself (an ``InputError``, an
+    ``UnsafeCheckpointError``) or as one ``CheckpointError`` naming its cause, not DCP's per-rank
+    traceback dump."""
+    try:
+        with single_process_quiet(group is None):
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+    except CheckpointException as e:
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+        cause = causes[0] if causes else e
+        if isinstance(cause, (CheckpointError, InputError)):
+            raise cause from None
+        raise CheckpointError(f"{location} could not be read: {type(cause).__name__}: {cause}") from e
 
 
 @contextlib.contextmanager

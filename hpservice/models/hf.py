@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from hpservice.checkpoint._reader import CheckpointReader, single_process_quiet
+from hpservice.checkpoint._reader import CheckpointReader, dcp_load
 from hpservice.inputs import InputError, open_input, opened_path
 
 from .llama import Llama, LlamaConfig
@@ -328,20 +328,13 @@ def _export_hf(checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_
 
 def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig) -> list:
     """One safetensors file per group of tensors, read from the checkpoint group by group."""
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     files = []
     for i, group in enumerate(groups, start=1):
         targets = {n: torch.empty(tuple(ours[n].size), dtype=ours[n].properties.dtype) for n in group}
-        with single_process_quiet(True):
-            dcp.load(
-                {"model": targets},
-                storage_reader=reader,
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-                no_dist=True,
-            )
+        dcp_load({"model": targets}, reader, tmp, planner=DefaultLoadPlanner(allow_partial_load=True))
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         tensors = {hf_name(n): _to_hf_layout(n, t, cfg.head_dim).contiguous() for n, t in targets.items()}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
