@@ -16,6 +16,7 @@ from hpservice.actors import connect
 from hpservice.spec import JobSpec
 
 from . import errors
+from .limits import StreamSlots
 from .routes import health, jobs, states
 from .settings import Settings
 from .store import Store
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
     )
     app.state.settings, app.state.store, app.state.supervisor = settings, store, supervisor
     app.state.registry = health.make_registry(store)
+    app.state.stream_slots = StreamSlots(settings.max_streams_per_owner)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

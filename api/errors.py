@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("hpservice.api")
 
 _CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-          409: "conflict", 413: "too_large", 415: "unsupported_media_type", 422: "invalid", 503: "unavailable"}  # fmt: skip
+          408: "timeout", 409: "conflict", 413: "too_large", 415: "unsupported_media_type", 422: "invalid",
+          429: "too_many", 503: "unavailable"}  # fmt: skip
 
 
 class APIError(Exception):

@@ -12,6 +12,8 @@ answers with 422. The rules:
   Relative ``metrics.dir`` / ``checkpoint.dir`` resolve there; absolute paths must stay inside it
   (symlinks and ``..`` are resolved first). Storage URLs are refused, since this server has no
   storage prefix of its own.
+- **Size.** At most ``--max-workers-per-job`` workers, each with at least
+  ``--min-cpus-per-worker`` CPUs, for every owner (quotas bound what runs at once; these bound one job).
 - **Inputs.** Checked here by name, and again by each worker on the file it opens
   (``JobSpec.input_roots``, below). ``data.path``, ``data.tokenizer`` and their ``eval.data`` twins must lie under one
   of the operator's data roots
@@ -77,6 +79,7 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     resume = spec.checkpoint.resume_from
     if resume not in (None, "latest"):
         resume = _checkpoint_input(resume, principal, home, settings, errors, "checkpoint.resume_from")
+    _admit_size(spec, settings, errors)
     priority, limit = spec.scheduling.priority, settings.quotas.of(principal.owner).priority
     if priority is not None and priority > limit and not principal.admin:
         # a tenant's own priority would let it preempt everyone else's jobs
@@ -110,6 +113,18 @@ def input_roots(settings: Settings, principal: Principal, home: Path) -> list[st
     jobs = home.parent.parent
     own = jobs if principal.admin else jobs / principal.owner
     return [str(_real(r)) for r in settings.data_roots] + [str(own)]
+
+
+def _admit_size(spec: JobSpec, settings: Settings, errors: list) -> None:
+    """The operator's limits on one job's size (whatever the owner's quotas): workers, and each
+    worker's CPU share (a tiny share would let a few CPUs' worth of quota start thousands of processes)."""
+    r = spec.resources
+    if r.workers > settings.max_workers_per_job:
+        errors.append(("resources.workers", f"{r.workers} is more than {settings.max_workers_per_job}, the most "
+                       "workers one job may have on this server (the operator's --max-workers-per-job)"))  # fmt: skip
+    if r.cpus_per_worker < settings.min_cpus_per_worker:
+        errors.append(("resources.cpus_per_worker", f"{r.cpus_per_worker:g} is less than {settings.min_cpus_per_worker:g}, "
+                       "the smallest CPU share per worker on this server (the operator's --min-cpus-per-worker)"))  # fmt: skip
 
 
 def _admit_data(data, field: str, home: Path, settings: Settings, errors: list):

@@ -16,6 +16,8 @@ from hpservice.spec import NAME_PATTERN
 
 from .scheduler import EVERYONE, Quota, Quotas
 
+MAX_WORKERS_PER_JOB = 1024  # the default operator limit on one job's workers (--max-workers-per-job)
+MIN_CPUS_PER_WORKER = 0.1  # the default operator limit on a worker's CPU share: at most 10 workers per core
 LEASE_TTL_S = 10.0  # the supervisor lease: a replica that stopped renewing it (killed) is replaced after this long
 MIN_LEASE_TTL_S = 2.0  # several ticks: a leader slowed for a moment must not lose it
 
@@ -49,6 +51,16 @@ class Settings:
     # that does not fit may be overtaken by smaller ones
     quotas: Quotas = field(default_factory=Quotas)
     backfill_bound_s: float = 600.0
+    # The size of one job (api/admission.py): without these, one spec could ask Ray for a hundred
+    # thousand worker processes (workers: 100000, cpus_per_worker: 1e-9), quotas file or not
+    max_workers_per_job: int = field(
+        default_factory=lambda: int(os.environ.get("HPSERVICE_MAX_WORKERS_PER_JOB", MAX_WORKERS_PER_JOB))
+    )
+    min_cpus_per_worker: float = field(
+        default_factory=lambda: float(os.environ.get("HPSERVICE_MIN_CPUS_PER_WORKER", MIN_CPUS_PER_WORKER))
+    )
+    # Open event streams (SSE) per owner (api/limits.py): each holds a connection and polls the store
+    max_streams_per_owner: int = 64
     # Replicas: how long a leader that stopped renewing the supervisor lease (killed) keeps it;
     # a standby takes over after this long
     lease_ttl_s: float = LEASE_TTL_S

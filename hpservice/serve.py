@@ -35,6 +35,8 @@ def serve(
     quotas_file: str | None = None,
     backfill_bound_s: float = 600.0,
     lease_ttl_s: float | None = None,
+    max_workers_per_job: int | None = None,
+    min_cpus_per_worker: float | None = None,
 ) -> int:
     if not ray_address:
         # Our own Ray head runs with Ray's token auth; Ray reads the mode once, at import.
@@ -45,7 +47,11 @@ def serve(
     from hpservice.api.logs import redact_tokens
     from hpservice.api.settings import load_quotas, load_tokens
 
-    settings = Settings(host=host, port=port, docs=docs)
+    try:
+        settings = Settings(host=host, port=port, docs=docs)
+    except ValueError as e:  # a limit from the environment that is not a number
+        print(f"hpservice serve: HPSERVICE_MAX_WORKERS_PER_JOB / HPSERVICE_MIN_CPUS_PER_WORKER: {e}", file=sys.stderr)
+        return 2
     settings.model_factories = (*settings.model_factories, *allow_models)
     settings.data_roots = (*settings.data_roots, *(Path(p).expanduser() for p in data_roots))
     if data_dir:
@@ -60,6 +66,17 @@ def serve(
             print(f"hpservice serve: --lease-ttl-s must be a number of seconds >= {MIN_LEASE_TTL_S:g}, got {lease_ttl_s:g}", file=sys.stderr)
             return 2
         settings.lease_ttl_s = lease_ttl_s
+    if max_workers_per_job is not None:
+        settings.max_workers_per_job = max_workers_per_job
+    if min_cpus_per_worker is not None:
+        settings.min_cpus_per_worker = min_cpus_per_worker
+    if not (settings.max_workers_per_job >= 1 and 0 < settings.min_cpus_per_worker < float("inf")):  # nan too
+        print(
+            "hpservice serve: --max-workers-per-job must be >= 1 and --min-cpus-per-worker a number > 0, got "
+            f"{settings.max_workers_per_job} and {settings.min_cpus_per_worker:g}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         settings.tokens = load_tokens(tokens_file)
         settings.quotas = load_quotas(quotas_file or os.environ.get("HPSERVICE_QUOTAS_FILE"))
@@ -88,5 +105,12 @@ def serve(
         )
     app = create_app(settings)
     redact_tokens()
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    from hpservice.api.limits import BoundedH11Protocol
+
+    # h11 with a deadline on each request's head (api/limits.py); uvicorn's keep-alive timeout
+    # drops connections idle between requests
+    uvicorn.run(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=BoundedH11Protocol,
+        timeout_keep_alive=5,
+    )  # fmt: skip
     return 0

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import stat
+import weakref
 from pathlib import Path
 
 import yaml
@@ -21,6 +22,7 @@ from hpservice.spec import INT64, JobSpec, SpecError, check_world, new_run_id, p
 from ..auth import current_principal
 from ..deps import get_settings, get_store, get_supervisor, visible_job
 from ..errors import APIError
+from ..limits import StreamSlots, read_body_within
 from ..policy import admit, job_dir
 from ..schemas import ERRORS, ArtifactList, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
 from ..settings import Principal, Settings
@@ -48,17 +50,12 @@ def _out(settings: Settings, job: dict) -> dict:
 
 
 async def _read_body(request: Request) -> bytes:
-    """The body, read as it arrives and refused as soon as it passes ``MAX_BODY``."""
+    """The body, read as it arrives and refused as soon as it passes ``MAX_BODY`` (413), or when it
+    has not all come within ``BODY_TIMEOUT_S`` (408)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
         raise APIError(413, f"job spec larger than {MAX_BODY} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise APIError(413, f"job spec larger than {MAX_BODY} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await read_body_within(request.stream(), MAX_BODY)
 
 
 def _decode(raw: bytes, ctype: str):
@@ -339,6 +336,7 @@ async def events(
     store: Store = Depends(get_store),
     last_event_id: str | None = Header(None, max_length=20),
     token: str | None = Query(None, max_length=400, description="bearer token, for EventSource clients"),
+    principal: Principal = Depends(current_principal),
 ):
     job_id = job["id"]
     try:
@@ -348,7 +346,17 @@ async def events(
     if not 0 <= after <= INT64[1]:
         raise APIError(400, "Last-Event-ID must be an integer from 0 to 2^63 - 1")
 
+    slots: StreamSlots = request.app.state.stream_slots
+    give_back = slots.take(principal.owner)  # 429 past the owner's open streams
+
     async def stream():
+        try:
+            async for event in follow():
+                yield event
+        finally:
+            give_back()
+
+    async def follow():
         nonlocal after
         idle = 0.0
         while True:
@@ -378,4 +386,6 @@ async def events(
                 idle = 0.0
                 yield ": keep-alive\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    events = stream()
+    weakref.finalize(events, give_back)  # also when the response never starts it (a client gone at once)
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

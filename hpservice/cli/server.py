@@ -25,6 +25,18 @@ def add_parsers(sub) -> None:
         help="how long a queued job that does not fit may be overtaken by smaller jobs that do (default 600)",
     )
     serve.add_argument(
+        "--max-workers-per-job",
+        type=int,
+        default=None,
+        help="the most workers one job may ask for (default 1024; also HPSERVICE_MAX_WORKERS_PER_JOB)",
+    )
+    serve.add_argument(
+        "--min-cpus-per-worker",
+        type=float,
+        default=None,
+        help="the smallest CPU share a job's worker may ask for (default 0.1; also HPSERVICE_MIN_CPUS_PER_WORKER)",
+    )
+    serve.add_argument(
         "--lease-ttl-s",
         type=float,
         default=None,
@@ -81,4 +93,6 @@ def _serve(args) -> int:
         quotas_file=args.quotas_file,
         backfill_bound_s=args.backfill_bound_s,
         lease_ttl_s=args.lease_ttl_s,
+        max_workers_per_job=args.max_workers_per_job,
+        min_cpus_per_worker=args.min_cpus_per_worker,
     )

@@ -214,3 +214,41 @@ def test_a_tenant_cannot_raise_its_own_priority_above_what_the_operator_allows(t
         for token, priority in ((ALICE, -5), (ALICE, 0), (BOB, 5), (ADMIN, 1000)):
             r = c.post("/v1/jobs", json=_spec(scheduling={"priority": priority}), headers=_auth(token))
             assert r.status_code == 201, (token, priority, r.text)
+
+
+# ---- a job's size -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("resources", "field", "fragment"),
+    [
+        ({"workers": 100000, "cpus_per_worker": 1e-9}, "resources.workers", "the most workers one job may have"),
+        ({"workers": 100000, "cpus_per_worker": 1e-9}, "resources.cpus_per_worker", "smallest CPU share"),
+        ({"workers": 300, "cpus_per_worker": 0.01}, "resources.cpus_per_worker", "less than 0.1"),
+        ({"workers": 1025}, "resources.workers", "more than 1024"),
+    ],
+)
+def test_a_jobs_size_is_bounded_without_any_quotas_file(tmp_path, resources, field, fragment):
+    with _client(tmp_path) as c:
+        _rejected(c, _spec(resources=resources), field, fragment)
+        _rejected(c, _spec(resources=resources), field, fragment, token=ADMIN)  # for every owner
+
+
+def test_the_operator_sets_a_jobs_size_limits(tmp_path):
+    with _client(tmp_path, max_workers_per_job=4, min_cpus_per_worker=0.5) as c:
+        _rejected(c, _spec(resources={"workers": 5}), "resources.workers", "more than 4")
+        _rejected(c, _spec(resources={"workers": 2, "cpus_per_worker": 0.25}), "resources.cpus_per_worker", "0.5")
+        ok = c.post("/v1/jobs", json=_spec(resources={"workers": 4, "cpus_per_worker": 0.5}), headers=_auth(ALICE))
+        assert ok.status_code == 201, ok.text
+
+
+def test_the_input_roots_a_worker_confines_to_are_the_servers_never_the_tenants(tmp_path):
+    root = tmp_path / "datasets"
+    root.mkdir()
+    with _client(tmp_path, data_roots=(root,)) as c:
+        r = c.post("/v1/jobs", json={**_spec(), "input_roots": ["/"]}, headers=_auth(ALICE))
+        assert r.status_code == 201, r.text
+        jobs = (tmp_path / "data").resolve() / "jobs"
+        assert r.json()["spec"]["input_roots"] == [str(root.resolve()), str(jobs / "alice")]
+        r = c.post("/v1/jobs", json=_spec(), headers=_auth(ADMIN))
+        assert r.json()["spec"]["input_roots"] == [str(root.resolve()), str(jobs)]  # an admin reads every owner's
