@@ -3,7 +3,7 @@
 Client side::
 
     handle = start_job(spec)             # detached, named hp:<job>:coordinator
-    handle.poll(since_step=0)            # metrics records + status
+    handle.poll(after=cursor)            # metrics records + status, and the next cursor
     handle.wait()                        # terminal state
     handle.stop(graceful=True)
     handle.shutdown()                    # ends the coordinator once its final status was read
@@ -19,7 +19,7 @@ import ray
 
 from hpservice.jobs import COORDINATOR_ENDS
 
-from .coordinator import Coordinator, coordinator_name, worker_name
+from .coordinator import Continuation, Coordinator, coordinator_name, worker_name
 from .nodes import HEAD_RESOURCE
 
 NAMESPACE = "hpservice"
@@ -28,6 +28,7 @@ COORDINATOR_RESOURCE_ENV = "HPSERVICE_COORDINATOR_RESOURCE"
 __all__ = [
     "COORDINATOR_RESOURCE_ENV",
     "NAMESPACE",
+    "Continuation",
     "JobHandle",
     "connect",
     "connect_ray",
@@ -92,8 +93,10 @@ class JobHandle:
     def status(self) -> dict:
         return ray.get(self.coordinator.status.remote())
 
-    def poll(self, since_step: int = 0) -> dict:
-        return ray.get(self.coordinator.poll.remote(since_step))
+    def poll(self, since_step: int = 0, after: int = 0) -> dict:
+        """Metrics records and the status (``Coordinator.poll``): keep the answer's ``cursor`` and
+        pass it as ``after`` to get each record once."""
+        return ray.get(self.coordinator.poll.remote(since_step, after))
 
     def logs(self, rank: int | None = None, tail: int | None = None, since: int = 0, since_seq: int = 0) -> list[dict]:
         return ray.get(self.coordinator.logs.remote(rank, tail, since, since_seq))
@@ -136,10 +139,11 @@ def coordinator_resource() -> str | None:
     return None if value.lower() in ("", "none") else value
 
 
-def start_job(spec, job_id: str | None = None) -> JobHandle:
+def start_job(spec, job_id: str | None = None, continuation: Continuation | None = None) -> JobHandle:
     """Start ``spec`` (a JobSpec) on the connected Ray cluster; returns at once. The job id is the
     run id (``spec.run_id``, else ``job_id``, else a new one): restarts of the job share its
-    outputs, other jobs never do."""
+    outputs, other jobs never do. ``continuation``: what earlier coordinators of the job left
+    (the service's relaunch of a requeued job)."""
     spec = spec.with_run(job_id)
     job_id = spec.run_id
     pin = coordinator_resource()
@@ -148,6 +152,6 @@ def start_job(spec, job_id: str | None = None) -> JobHandle:
         namespace=NAMESPACE,
         lifetime="detached",
         resources={pin: 0.001} if pin else None,
-    ).remote(job_id, spec)  # the parsed spec itself: Ray pickles it, nothing parses it again
+    ).remote(job_id, spec, continuation)  # the parsed spec itself: Ray pickles it, nothing parses it again
     coordinator.run.remote()
     return JobHandle(job_id, coordinator)

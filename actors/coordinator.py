@@ -25,6 +25,7 @@ methods answer clients.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -77,20 +78,38 @@ def attempt_spec(spec, resume: bool, gpus: int):
     return spec.model_copy(update={"resources": resources, "checkpoint": checkpoint})
 
 
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """What the store holds of a job's earlier coordinators, for the one that replaces them (after
+    its node was lost, or a preemption): its lists and sequences continue instead of starting
+    empty, which the store would take for the job's whole record.
+
+    ``checkpoints``: the committed checkpoints known so far (the new attempt's commits and
+    pruning apply to them); ``log_seq``: the last log sequence number stored (the new lines are
+    numbered after it, so a follower's cursor never skips them); ``step``: the step the job
+    resumes from."""
+
+    checkpoints: tuple[dict, ...] = ()
+    log_seq: int = 0
+    step: int = 0
+
+
 @ray.remote(num_cpus=0, max_concurrency=16)
 class Coordinator:
-    def __init__(self, job_id: str, spec):
+    def __init__(self, job_id: str, spec, continuation: Continuation | None = None):
+        continuation = continuation or Continuation()
         self.job_id = job_id
         self.spec = spec  # a JobSpec, parsed once at the edge (the CLI or the API)
         self._lock = threading.Lock()
         self._history: list[dict] = []
         self._set_state(JobState.QUEUED, "waiting to start")
-        self._metrics: deque[dict] = deque(maxlen=METRICS_BUFFER)
+        self._metrics: deque[tuple[int, dict]] = deque(maxlen=METRICS_BUFFER)  # (arrival number, record)
+        self._arrivals = 0  # records received: reports run on several threads, so steps may arrive out of order
         self._dropped = 0
         self._logs: dict[int, deque] = {}
         self._log_offset: dict[int, int] = {}
-        self._log_seq = 0  # one sequence over all ranks: the cursor clients resume from
-        self._checkpoints: list[dict] = []
+        self._log_seq = continuation.log_seq  # one sequence over all ranks and attempts: the cursor clients resume from
+        self._checkpoints: list[dict] = [dict(c) for c in continuation.checkpoints]
         self._restarts: list[dict] = []
         self._stop_requested = False
         self._stop_deadline_s = 60.0
@@ -111,7 +130,8 @@ class Coordinator:
         self._grow = False  # the next restart grows back to resources.workers
         self._room_seen_at: float | None = None  # when room for every worker was first seen while shrunk
         self._room_checked_at = 0.0
-        self._step = 0
+        self._step = continuation.step
+        self._me = ray.get_runtime_context().current_actor  # what this coordinator's workers report to
         self._gauges = self._make_gauges()
         self._node_id = ray.get_runtime_context().get_node_id()  # where supervision runs (the head by default)
 
@@ -153,18 +173,23 @@ class Coordinator:
         with self._lock:
             if len(self._metrics) == self._metrics.maxlen:
                 self._dropped += 1
-            self._metrics.append(record)
+            self._arrivals += 1
+            self._metrics.append((self._arrivals, record))
             self._step = record["step"]
         tags = {"job": self.job_id, "rank": "0"}
         for key, gauge in self._gauges.items():
             if key in record and record[key] is not None:
                 gauge.set(float(record[key]), tags=tags)
 
-    def poll(self, since_step: int = 0) -> dict:
-        """Metrics records with step > since_step (every one still buffered), plus the status."""
+    def poll(self, since_step: int = 0, after: int = 0) -> dict:
+        """Metrics records (every one still buffered) with step > ``since_step`` that arrived after
+        the ``after``-th, in step order, plus the status and ``cursor``, the ``after`` to ask with
+        next. A follower that keeps ``cursor`` gets every record once, even the ones of steps that
+        arrived out of order (a step cursor would skip those)."""
         with self._lock:
-            records = [r for r in self._metrics if r["step"] > since_step]
-        return {"records": records, "status": self.status()}
+            records = [r for n, r in self._metrics if n > after and r["step"] > since_step]
+            cursor = self._arrivals
+        return {"records": sorted(records, key=lambda r: r["step"]), "cursor": cursor, "status": self.status()}
 
     def add_log(self, rank: int, step: int, line: str) -> None:
         with self._lock:
@@ -419,7 +444,7 @@ class Coordinator:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=self._plan.bundle_of_rank[i]
                 ),
-            ).remote(self.job_id, i, n, coordinator_name(self.job_id))
+            ).remote(self.job_id, i, n, self._me)  # this coordinator's handle: never a name another may hold
             for i in range(n)
         ]
         try:

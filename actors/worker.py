@@ -22,9 +22,11 @@ from .policy import WorkerAddress, WorkerPoll
 
 @ray.remote
 class TrainWorker:
-    def __init__(self, job_id: str, rank: int, world_size: int, coordinator_name: str):
+    def __init__(self, job_id: str, rank: int, world_size: int, coordinator):
+        """``coordinator``: the handle of the coordinator that started this worker; its reports go
+        there, never to whatever actor holds the coordinator's name later."""
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
-        self._coordinator = ray.get_actor(coordinator_name, namespace="hpservice")
+        self._coordinator = coordinator
         self._thread: threading.Thread | None = None
         self._trainer = None
         self._error: str | None = None

@@ -432,11 +432,25 @@ class Store:
             row = self._locked(s, job_id)
             if row is None:
                 return
-            for r in records:
-                s.merge(MetricRow(job_id=job_id, step=r["step"], record_json=json.dumps(r)))
+            steps = {r["step"] for r in records}
+            stored = select(MetricRow.step).where(MetricRow.job_id == job_id, MetricRow.step.between(min(steps), max(steps)))
+            have = set(s.scalars(stored))
+            for r in records:  # each step once: a restart re-trains steps from its checkpoint that are stored
+                if r["step"] in have:
+                    continue
+                have.add(r["step"])
+                s.add(MetricRow(job_id=job_id, step=r["step"], record_json=json.dumps(r)))
                 self._add_event(s, job_id, "metrics", r)
-            row.step = max(row.step, max(r["step"] for r in records))
+            row.step = max(row.step, max(steps))
             s.commit()
+
+    def missing_metric_steps(self, job_id: str, steps: int) -> list[int]:
+        """The steps up to ``steps`` without a stored metrics record, from the first one stored (a
+        job that began from another run's checkpoint trained from there), or from 1 when none is."""
+        with self.session() as s:
+            have = set(s.scalars(select(MetricRow.step).where(MetricRow.job_id == job_id, MetricRow.step <= steps)))
+        first = min(have, default=1)
+        return [step for step in range(first, steps + 1) if step not in have]
 
     def last_metric_step(self, job_id: str) -> int:
         with self.session() as s:

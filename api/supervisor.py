@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import ray
 
-from hpservice.actors import NAMESPACE, JobHandle, start_job, worker_name
+from hpservice.actors import NAMESPACE, Continuation, JobHandle, start_job, worker_name
 from hpservice.actors.coordinator import cluster_fit
 from hpservice.actors.nodes import alive_resources
 from hpservice.jobs import ACTIVE_STATES, COORDINATOR_ENDS, TERMINAL_STATES, WAITING_STATES, JobState
@@ -93,6 +93,7 @@ class Supervisor:
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self._handles: dict[str, JobHandle] = {}
+        self._metric_cursors: dict[str, tuple[JobHandle, int]] = {}  # job -> (its coordinator's handle, arrivals read)
         self._requests: dict[str, _Request] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -251,15 +252,18 @@ class Supervisor:
 
     def _launch(self, job: dict) -> None:
         spec = self._spec_of(job)
+        continuation = None
         if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
+            # the new coordinator continues the store's record (checkpoints, log numbers), not from nothing
+            continuation = Continuation(tuple(job["checkpoints"]), job.get("log_seq") or 0, job["checkpoints"][-1]["step"])
         with self._lock:
             if (self.store.get_job(job["id"]) or {}).get("state") not in WAITING_STATES:
                 return  # cancelled meanwhile
             if not self.store.claim_launch(job["id"]):
                 return  # launched meanwhile (by a replica whose lease this one took over)
             try:
-                self._handles[job["id"]] = start_job(spec, job_id=job["id"])
+                self._handles[job["id"]] = start_job(spec, job_id=job["id"], continuation=continuation)
             except ValueError as e:  # the name is still held by a coordinator Ray has not yet marked dead
                 self.store.mark_not_started(job["id"])
                 log.warning("job %s not launched yet: %s", job["id"], e)
@@ -290,11 +294,18 @@ class Supervisor:
         coordinator = handle.coordinator
         self._requests[job["id"]] = _Request(
             handle=handle,
-            poll=coordinator.poll.remote(self.store.last_metric_step(job["id"])),
+            poll=coordinator.poll.remote(0, self._metric_cursor(job["id"], handle)),
             logs=coordinator.logs.remote(None, None, 0, job.get("log_seq") or 0),
             log_time=job["log_time"] if job.get("log_seq") is None else -1.0,
             issued=time.monotonic(),
         )
+
+    def _metric_cursor(self, job_id: str, handle: JobHandle) -> int:
+        """Where to resume reading ``handle``'s coordinator's metrics: its own arrival count,
+        starting from 0 for a coordinator this process has not read yet (a relaunch, or one
+        re-attached after a restart of the server: the store keeps only steps it lacks)."""
+        seen = self._metric_cursors.get(job_id)
+        return seen[1] if seen is not None and seen[0] is handle else 0
 
     def _coordinator_lost(self, job_id: str, why: str) -> None:
         """A launched job whose coordinator is gone (its node lost, the Ray cluster restarted):
@@ -338,9 +349,12 @@ class Supervisor:
                 self._handles.pop(job_id, None)
             self._coordinator_lost(job_id, f"its coordinator died ({_first_line(e)})")
             return
-        self.store.add_metrics(job_id, update["records"])
+        self.store.add_metrics(job_id, update["records"])  # the steps it has not stored yet
+        self._metric_cursors[job_id] = (request.handle, update["cursor"])
         self.store.add_logs(job_id, lines)
         status = update["status"]
+        if status["state"] == JobState.SUCCEEDED:
+            status = self._check_metrics_complete(job_id, status)
         self.store.update_status(job_id, status)
         if status["state"] == JobState.PREEMPTED:  # checkpointed and stopped: back to the queue
             self.store.mark_not_started(job_id)
@@ -349,7 +363,22 @@ class Supervisor:
         if status["state"] in COORDINATOR_ENDS:
             with self._lock:
                 self._handles.pop(job_id, None)
+                self._metric_cursors.pop(job_id, None)
             request.handle.shutdown()
+
+
+    def _check_metrics_complete(self, job_id: str, status: dict) -> dict:
+        """A job that trained every step must have every step's metrics stored; where it does not
+        (an attempt whose reports went astray), its final message says which are missing, and the
+        supervisor logs it as an error: never a silent gap in a curve."""
+        trained = status.get("step", 0)
+        missing = self.store.missing_metric_steps(job_id, trained)
+        if not missing:
+            return status
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        why = f"the store lacks the metrics of {len(missing)} of the steps it trained (steps {shown})"
+        log.error("job %s succeeded, but %s", job_id, why)
+        return {**status, "message": f"{status.get('message', '')}; but {why}".lstrip("; ")}
 
 
 def _first_line(e: Exception) -> str:

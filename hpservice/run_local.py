@@ -25,19 +25,18 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
     connect(address, num_cpus=max(os.cpu_count() or 1, needed))
     handle = start_job(spec)
     console.print(f"job [bold]{handle.job_id}[/]: {spec.resources.workers} workers, {spec.training.steps} steps")
-    last_step, last, interrupts = 0, None, 0
+    cursor, last, interrupts = 0, None, 0
     records: dict[int, dict] = {}  # by step: a restart's re-run steps replace the earlier ones
     try:
         with job_progress(console) as progress:
             task = progress.add_task("train", total=spec.training.steps, state="QUEUED", loss="-", tps="-", restarts=0)
             while True:
                 try:
-                    update = handle.poll(since_step=last_step)
-                    status = update["status"]
+                    update = handle.poll(after=cursor)
+                    status, cursor = update["status"], update["cursor"]
                     if update["records"]:
                         records.update((r["step"], r) for r in update["records"])
                         last = update["records"][-1]
-                        last_step = last["step"]
                     progress.update(
                         task,
                         completed=status["step"],

@@ -7,7 +7,7 @@ global batch 8 x 32 tokens, AdamW):
 
 - ``ours``: ``actors.start_job(spec)`` with a parsed ``JobSpec``. Time to first step is from the
   ``start_job`` call (the submission; the spec is parsed before) to the moment a client polling
-  ``handle.poll(since_step)`` every 10 ms first receives a metrics record: what a user of the
+  ``handle.poll(after=cursor)`` every 10 ms first receives a metrics record: what a user of the
   service sees. The job then runs its remaining steps (for the latency below) and ends with
   ``handle.shutdown()``.
 - ``ray_train``: ``ray.train.torch.TorchTrainer`` with ``ScalingConfig(num_workers=--workers,
@@ -188,13 +188,13 @@ def measure_ours(name: str, workers: int, steps: int, root: Path, timeout_s: flo
     def poll(handle) -> dict:
         nonlocal last
         sent = time.time()
-        update = handle.poll(since_step=last)
+        update = handle.poll(after=last)
         now = time.time()
         rtts.append(now - sent)
         for record in update["records"]:
             seen.setdefault(record["step"], now)
             records.setdefault(record["step"], record)
-        last = max(records, default=0)
+        last = update["cursor"]
         return update["status"]
 
     with _FileWatcher(root / "metrics" / name / "metrics.jsonl") as watcher:

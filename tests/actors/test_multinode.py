@@ -163,17 +163,19 @@ def test_a_lost_node_is_replaced_by_a_new_one_without_spending_a_restart(ranks, 
     assert [by_step[s] for s in range(1, steps + 1)] == expected
 
 
-def test_the_supervisor_requeues_a_job_whose_coordinators_node_was_lost(tmp_path, monkeypatch):
-    """The operator lets coordinators run on the nodes with resource ``coord`` (two 1-CPU nodes,
-    too small for the job's 2-worker shard group, which runs on a third node); the node with the
-    job's coordinator dies; the server notices, requeues the job once from its latest checkpoint
-    (the store has it) and the relaunched coordinator finishes it on the same workers' node."""
+def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_nothing(ranks, tmp_path, monkeypatch):
+    """Coordinators run on the nodes with resource ``coord`` (1-CPU nodes, too small for the job's
+    2-worker shard group, which runs on a node of its own). The node with the job's coordinator
+    dies, mid-job, twice; each time the server requeues the job from its latest checkpoint and a
+    new coordinator finishes it. Every step's metrics are stored exactly once, the loss curve is
+    bitwise an undisturbed run's, the relaunched attempts' log lines and checkpoints reach the
+    store, and its checkpoint list is complete (a relaunch's empty list used to replace it)."""
     from hpservice.api.store import Store
     from hpservice.api.supervisor import Supervisor
 
     monkeypatch.setenv(COORDINATOR_RESOURCE_ENV, "coord")
-    steps = 400
-    job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 1})
+    steps = 1200
+    job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 2})
     coordinator_node = {"num_cpus": 1, "resources": {"coord": 1}}
     with simulated_cluster(coordinator_node, coordinator_node, {"num_cpus": 2}) as cluster:
         store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
@@ -182,19 +184,38 @@ def test_the_supervisor_requeues_a_job_whose_coordinators_node_was_lost(tmp_path
         store.create_job(job_id, job.name, "alice", job.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
         try:
-            _wait(lambda: (j := store.get_job(job_id))["checkpoints"] and j["state"] == "RUNNING", "checkpointed")
-            node_id = JobHandle.attach(job_id).status()["coordinator_node"]
-            cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)
+            lost_at = []
+            for kill in range(2):
+                after = lost_at[-1] if lost_at else 0
+                # a checkpoint of this attempt's own (past the last kill), and the job still running
+                _wait(
+                    lambda a=after: (j := store.get_job(job_id))["state"] == "RUNNING"
+                    and any(c["step"] > a + 5 for c in j["checkpoints"]),
+                    f"checkpointed in attempt {kill + 1}",
+                )
+                status = JobHandle.attach(job_id).status()
+                assert status["step"] < steps, "the job ended before its coordinator's node could be killed"
+                lost_at.append(status["step"])
+                cluster.remove_node(_node_of(cluster, status["coordinator_node"]), allow_graceful=False)
+                cluster.add_node(**coordinator_node)  # room for the next coordinator
             final = _wait(
-                lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=240
+                lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300
             )
         finally:
             supervisor.stop()
     assert final["state"] == "SUCCEEDED", final
+    assert "lacks the metrics" not in final["message"], final["message"]
     messages = [h["message"] for h in final["history"]]
     requeued = [m for m in messages if m.startswith("requeued: its coordinator died")]
-    assert len(requeued) == 1 and "resumes from its checkpoint of step" in requeued[0], messages
+    assert len(requeued) == 2 and all("resumes from its checkpoint of step" in m for m in requeued), messages
     assert final["step"] == steps
+    assert [c["step"] for c in final["checkpoints"]] == [steps - 5, steps]  # keep: 2, across attempts
+    records = store.metrics(job_id, 0)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step, once
+    lines, _ = store.logs(job_id, None, None)
+    assert any(line["step"] > lost_at[-1] for line in lines), "no log line of the last attempt was stored"
+    expected = ranks(2).run(_torchrun_losses, _spec(tmp_path / "ref", "requeued", training={"steps": steps}))[0]
+    assert [r["loss"] for r in records] == expected  # bitwise
 
 
 def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_losses(ranks, tmp_path):

@@ -33,7 +33,7 @@ class FakeCoordinator:
         self.frozen, self.steps, self.step, self.stops, self.lines = frozen, steps, 0, 0, []
         self.preempted_by = None
 
-    def poll(self, since_step):
+    def poll(self, since_step, after=0):  # one record per step, so a record's arrival number is its step
         if self.frozen:
             time.sleep(3600)
         if self.preempted_by is None and self.step != self.steps:
@@ -47,8 +47,8 @@ class FakeCoordinator:
         history = [{"state": state, "time": float(self.step), "message": message}] if state != "RUNNING" else []
         status = {"state": state, "message": message, "step": self.step, "restarts": 0, "history": history,
                   "checkpoints": checkpoints}  # fmt: skip
-        records = [{"step": s, "loss": 1.0 / s} for s in range(since_step + 1, self.step + 1)]
-        return {"records": records, "status": status}
+        records = [{"step": s, "loss": 1.0 / s} for s in range(max(since_step, after) + 1, self.step + 1)]
+        return {"records": records, "cursor": self.step, "status": status}
 
     def shutdown(self):
         ray.actor.exit_actor()
@@ -131,7 +131,7 @@ def _fake_start(launches, hold_cpus=False):
     of the job's workers, with ``hold_cpus``, and ending after the job's steps, one per poll)."""
     from hpservice.actors import JobHandle
 
-    def start_job(spec, job_id):
+    def start_job(spec, job_id, continuation=None):
         cpus = spec.resources.workers * spec.resources.cpus_per_worker if hold_cpus else 0
         actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice", num_cpus=cpus).remote(
             False, spec.training.steps if hold_cpus else None
@@ -154,7 +154,7 @@ def test_a_cancel_on_another_replica_during_the_launch_is_one_transition(cluster
     launches = []
     fake_start = _fake_start(launches)
 
-    def start_job(spec, job_id):  # the launch, with the other replica's cancel in the middle of it
+    def start_job(spec, job_id, continuation=None):  # the launch, with the other replica's cancel in the middle of it
         _in_thread(lambda: other.cancel(store.get_job(job_id)), timeout=30)
         return fake_start(spec, job_id)
 
