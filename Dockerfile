@@ -30,10 +30,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# uid/gid 1000: the manifests' runAsUser/fsGroup. /data: the API's store; /checkpoints: shared checkpoints.
+# uid/gid 1000: the manifests' runAsUser/fsGroup. /data: the API's store; /shared: the volume the API and every Ray node share (jobs/, datasets/).
 RUN groupadd --gid 1000 hpservice \
  && useradd --uid 1000 --gid 1000 --create-home --shell /bin/bash hpservice \
- && install -d -o hpservice -g hpservice -m 0750 /data /checkpoints
+ && install -d -o hpservice -g hpservice -m 0750 /data /shared /shared/jobs /shared/datasets
 
 WORKDIR /opt/hpservice
 

@@ -8,7 +8,8 @@ answers with 422. The rules:
   factories come from ``Settings.model_factories`` (``--allow-model module:factory``) or from the
   ``hpservice.models`` entry points of installed packages, by entry-point name or by value.
   ``hpservice run`` and torchrun on one's own machine skip this check and import any factory.
-- **Outputs.** Every job writes under its own directory, ``<data-dir>/jobs/<owner>/<job-id>/``.
+- **Outputs.** Every job writes under its own directory, ``<jobs-dir>/<owner>/<job-id>/``
+  (``--jobs-dir``, default ``<data-dir>/jobs``).
   Relative ``metrics.dir`` / ``checkpoint.dir`` resolve there; absolute paths must stay inside it
   (symlinks and ``..`` are resolved first). Storage URLs are refused, since this server has no
   storage prefix of its own.
@@ -54,7 +55,7 @@ def allowed_factories(settings: Settings) -> dict[str, str]:
 
 def job_dir(settings: Settings, owner: str, job_id: str) -> Path:
     """The one directory a job writes into."""
-    return _real(settings.data_dir) / "jobs" / owner / job_id
+    return _real(settings.jobs_root) / owner / job_id
 
 
 def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) -> JobSpec:

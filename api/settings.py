@@ -36,6 +36,11 @@ class Settings:
         default_factory=lambda: Path(os.environ.get("HPSERVICE_DATA_DIR", "~/.hpservice")).expanduser()
     )
     database_url: str | None = field(default_factory=lambda: os.environ.get("HPSERVICE_DATABASE_URL"))
+    # Where jobs write (<jobs_dir>/<owner>/<job id>/): default <data_dir>/jobs. A deployment puts it on
+    # the volume every Ray pod mounts at the same path, so workers on any node write there too.
+    jobs_dir: Path | None = field(
+        default_factory=lambda: Path(p).expanduser() if (p := os.environ.get("HPSERVICE_JOBS_DIR")) else None
+    )
     ray_address: str | None = field(default_factory=lambda: os.environ.get("RAY_ADDRESS"))
     tokens: dict[str, Principal] = field(default_factory=dict)
     poll_interval_s: float = 0.5
@@ -76,6 +81,11 @@ class Settings:
             if hmac.compare_digest(presented, hashlib.sha256(known.encode()).digest()):
                 found = principal
         return found
+
+    @property
+    def jobs_root(self) -> Path:
+        """The directory of every job's outputs: ``jobs_dir``, else ``<data_dir>/jobs``."""
+        return self.jobs_dir if self.jobs_dir is not None else self.data_dir / "jobs"
 
     @property
     def db_url(self) -> str:

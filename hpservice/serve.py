@@ -37,6 +37,7 @@ def serve(
     lease_ttl_s: float | None = None,
     max_workers_per_job: int | None = None,
     min_cpus_per_worker: float | None = None,
+    jobs_dir: str | None = None,
 ) -> int:
     if not ray_address:
         # Our own Ray head runs with Ray's token auth; Ray reads the mode once, at import.
@@ -56,6 +57,8 @@ def serve(
     settings.data_roots = (*settings.data_roots, *(Path(p).expanduser() for p in data_roots))
     if data_dir:
         settings.data_dir = Path(data_dir).expanduser()
+    if jobs_dir:
+        settings.jobs_dir = Path(jobs_dir).expanduser()
     if ray_address:
         settings.ray_address = ray_address
     settings.backfill_bound_s = backfill_bound_s

@@ -11,6 +11,12 @@ def add_parsers(sub) -> None:
     serve.add_argument(
         "--ray-address", default=None, help="Ray cluster (default RAY_ADDRESS, else an embedded local Ray)"
     )
+    serve.add_argument(
+        "--jobs-dir",
+        default=None,
+        help="where jobs write, <jobs-dir>/<owner>/<job id>/ (default <data-dir>/jobs; also HPSERVICE_JOBS_DIR): "
+        "a path every Ray node mounts at the same place",
+    )
     serve.add_argument("--tokens-file", default=None, help="YAML {TOKEN: {owner, admin}}; also HPSERVICE_TOKENS")
     serve.add_argument(
         "--quotas-file",
@@ -93,6 +99,7 @@ def _serve(args) -> int:
         quotas_file=args.quotas_file,
         backfill_bound_s=args.backfill_bound_s,
         lease_ttl_s=args.lease_ttl_s,
+        jobs_dir=args.jobs_dir,
         max_workers_per_job=args.max_workers_per_job,
         min_cpus_per_worker=args.min_cpus_per_worker,
     )

@@ -25,7 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "postgres")
 K8S_VERSION = "1.32.0"  # a version kubernetes-validate ships schemas for (it bundles 1.25 ... 1.37)
 CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/")
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -314,7 +314,9 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 def _known_env_names() -> set[str]:
     names = set()
     for f in ("api/settings.py", "hpservice/serve.py", *map(str, sorted((ROOT / "hpservice" / "cli").glob("*.py"))), "hpservice/client.py"):
-        names |= set(re.findall(r"os\.environ(?:\.get)?[\[(]\"([A-Z0-9_]+)\"", (ROOT / f).read_text()))
+        text = (ROOT / f).read_text()
+        names |= set(re.findall(r"os\.environ(?:\.get)?[\[(]\"([A-Z0-9_]+)\"", text))
+        names |= set(re.findall(r"_env_list\(\"([A-Z0-9_]+)\"", text))  # settings' list-valued variables
     return names
 
 
@@ -376,8 +378,16 @@ def test_control_plane_agrees_with_the_code(overlay, monkeypatch, tmp_path):
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert args["data_dir"] == config["HPSERVICE_DATA_DIR"] == "/data"
-    assert volumes[mounts["/data"]]["persistentVolumeClaim"]["claimName"] == "hpservice-data"
-    _one(docs, "PersistentVolumeClaim", "hpservice-data")
+    database = env["HPSERVICE_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    assert database["name"] == "hpservice-database" and database["key"] == "url"
+    if deployment["spec"]["replicas"] == 1:  # SQLite on a ReadWriteOnce claim: one pod at a time
+        assert volumes[mounts["/data"]]["persistentVolumeClaim"]["claimName"] == "hpservice-data"
+        _one(docs, "PersistentVolumeClaim", "hpservice-data")
+        assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    else:  # replicas share PostgreSQL, required: each on a SQLite of its own would supervise every job twice
+        assert database["optional"] is False
+        assert "emptyDir" in volumes[mounts["/data"]], "a ReadWriteOnce claim cannot be mounted by two replicas"
+        assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     tokens_dir, tokens_name = args["tokens_file"].rsplit("/", 1)
     tokens = volumes[mounts[tokens_dir]]["secret"]
     assert [i["path"] for i in tokens["items"]] == [tokens_name]
@@ -398,7 +408,38 @@ def test_control_plane_agrees_with_the_code(overlay, monkeypatch, tmp_path):
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == sport["name"] and endpoint["path"] in routes and endpoint["path"] == "/metrics"
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def _mount_of(spec: dict, path: str) -> tuple[str, str] | None:
+    """(mount path, claim name) of the volume that holds ``path`` in the pod ``spec``'s container."""
+    (c,) = spec["containers"]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    best = None
+    for m in c.get("volumeMounts", []):
+        root = m["mountPath"].rstrip("/")
+        if (path == root or path.startswith(root + "/")) and (best is None or len(root) > len(best[0])):
+            claim = volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName")
+            best = (root, claim)
+    return best
+
+
+def test_the_api_and_every_ray_pod_mount_the_job_directories_at_the_same_path(overlay):
+    """Workers on any Ray pod write a job's checkpoints under the job directory the API lists and
+    exports: one ReadWriteMany claim, mounted at the same path on the API and on every Ray pod,
+    holds the jobs directory and the data roots."""
+    _, docs = overlay
+    config = _one(docs, "ConfigMap", "hpservice-config")["data"]
+    jobs, roots = config["HPSERVICE_JOBS_DIR"], [r for r in config["HPSERVICE_DATA_ROOTS"].split(":") if r]
+    assert "HPSERVICE_MODEL_FACTORIES" in config  # for the operator to fill in
+    api = _one(docs, "Deployment", "hpservice-api")["spec"]["template"]["spec"]
+    pods = _pod_specs(_one(docs, "RayCluster"))
+    for path in [jobs, *roots]:
+        where = _mount_of(api, path)
+        assert where is not None and where[1] is not None, f"the API does not mount a claim holding {path}"
+        for spec in pods:
+            assert _mount_of(spec, path) == where, f"a Ray pod mounts {path} otherwise than the API ({where})"
+        pvc = _one(docs, "PersistentVolumeClaim", where[1])
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_ray_side_agrees(overlay):
@@ -413,11 +454,6 @@ def test_ray_side_agrees(overlay):
         (c,) = g["template"]["spec"]["containers"]
         assert int(g["rayStartParams"]["metrics-export-port"]) == metrics_port
         assert {"name": "metrics", "containerPort": metrics_port} in c["ports"]
-        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-        claim = {v["name"]: v for v in g["template"]["spec"]["volumes"]}[mounts["/checkpoints"]]
-        assert claim["persistentVolumeClaim"]["claimName"] == "hpservice-checkpoints"
-    pvc = _one(docs, "PersistentVolumeClaim", "hpservice-checkpoints")
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     for spec in _pod_specs(cluster):
         (c,) = spec["containers"]
         env = {e["name"]: e for e in c["env"]}
@@ -459,7 +495,7 @@ def test_ray_side_agrees(overlay):
 def test_images_are_this_version(overlay):
     name, docs = overlay
     images = {c["image"] for d in docs for spec in _pod_specs(d) for c in spec["containers"]}
-    want = f"hpservice:{VERSION}" + ("" if name == "cpu" else "-cu128")
+    want = f"hpservice:{VERSION}" + ("-cu128" if name == "gpu" else "")
     assert images == {want}, images
 
 
@@ -509,6 +545,14 @@ def test_compose_agrees_with_the_code(monkeypatch, tmp_path):
     assert args["host"] == "0.0.0.0" and args["ray_address"] == f"ray://ray-head:{flags['ray-client-server-port']}"
     assert api["ports"] == [f"127.0.0.1:{args['port']}:{args['port']}"]
     assert any(v.endswith(f":{args['data_dir']}") for v in api["volumes"])
+    # the job directories and the data roots on one volume, at the same path in the API and the Ray head
+    for path in [args["jobs_dir"], *args["data_roots"]]:
+        mounts = {}
+        for service in ("api", "ray-head"):
+            held = [v.split(":") for v in services[service]["volumes"] if path.startswith(v.split(":")[1].rstrip("/") + "/")]
+            assert len(held) == 1, f"{service} does not mount a volume holding {path}"
+            mounts[service] = held[0]
+        assert mounts["api"] == mounts["ray-head"] and mounts["api"][0] in compose["volumes"], mounts
     _check_env_names(set(api["environment"]) | set(services["ray-head"]["environment"]))
     assert api["environment"]["RAY_AUTH_TOKEN"] == services["ray-head"]["environment"]["RAY_AUTH_TOKEN"]
     assert api["environment"]["RAY_AUTH_MODE"] == services["ray-head"]["environment"]["RAY_AUTH_MODE"] == "token"
