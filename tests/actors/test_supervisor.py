@@ -203,7 +203,7 @@ def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_pa
     store.update_status("kept-1", {"state": "RUNNING", "checkpoints": [{"step": 40, "path": "/ckpt/step-40"}]})
     launched = []
     monkeypatch.setattr(
-        supervisor_module, "start_job", lambda spec, job_id: launched.append((job_id, spec)) or _Recorder()
+        supervisor_module, "start_job", lambda spec, job_id, continuation=None: launched.append((job_id, spec)) or _Recorder()
     )
     sup = Supervisor(store)
     _in_thread(sup.tick)
@@ -229,7 +229,7 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
     store = Store(store_url)
     sup = Supervisor(store, quotas=Quotas({"alice": Quota(workers=1)}))
     launched = []
-    monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id: launched.append(job_id) or object())
+    monkeypatch.setattr(supervisor_module, "start_job", lambda spec, job_id, continuation=None: launched.append(job_id) or object())
     one = {**SPEC, "resources": {"workers": 1, "use_gpu": False}}
     store.create_job("d1", "s", "dave", {**SPEC, "resources": {"workers": 2, "use_gpu": False}}, 100, None)
     for job_id, owner, priority in (
