@@ -87,11 +87,15 @@ class Continuation:
     ``checkpoints``: the committed checkpoints known so far (the new attempt's commits and
     pruning apply to them); ``log_seq``: the last log sequence number stored (the new lines are
     numbered after it, so a follower's cursor never skips them); ``step``: the step the job
-    resumes from."""
+    resumes from; ``metrics_step``: the last step whose metrics the store has. The lost
+    coordinator's workers may have trained (and checkpointed) past it before they were stopped,
+    their reports going nowhere: the new attempt's rank 0 reports those steps from the run's
+    ``metrics.jsonl`` (``Trainer(reported_up_to=...)``)."""
 
     checkpoints: tuple[dict, ...] = ()
     log_seq: int = 0
     step: int = 0
+    metrics_step: int = 0
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)
@@ -131,6 +135,7 @@ class Coordinator:
         self._room_seen_at: float | None = None  # when room for every worker was first seen while shrunk
         self._room_checked_at = 0.0
         self._step = continuation.step
+        self._reported_up_to = continuation.metrics_step  # the last step whose metrics reached the store or this actor
         self._me = ray.get_runtime_context().current_actor  # what this coordinator's workers report to
         self._gauges = self._make_gauges()
         self._node_id = ray.get_runtime_context().get_node_id()  # where supervision runs (the head by default)
@@ -175,6 +180,7 @@ class Coordinator:
                 self._dropped += 1
             self._arrivals += 1
             self._metrics.append((self._arrivals, record))
+            self._reported_up_to = max(self._reported_up_to, record["step"])
             self._step = record["step"]
         tags = {"job": self.job_id, "rank": "0"}
         for key, gauge in self._gauges.items():
@@ -451,7 +457,8 @@ class Coordinator:
             addresses = ray.get([w.address.remote() for w in self._workers], timeout=300)
             self._record_placement(addresses)
             master_addr, master_port = addresses[0].ip, addresses[0].port
-            ray.get([w.start.remote(attempt, master_addr, master_port) for w in self._workers], timeout=300)
+            reported = self._reported_up_to
+            ray.get([w.start.remote(attempt, master_addr, master_port, reported) for w in self._workers], timeout=300)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise self._classify(f"workers failed to start: {type(e).__name__}: {_short(e)}") from None
         self._stop_sent_at = None

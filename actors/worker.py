@@ -42,9 +42,10 @@ class TrainWorker:
         node_id = ray.get_runtime_context().get_node_id()
         return WorkerAddress(self.rank, ray.util.get_node_ip_address(), free_port(host=""), os.getpid(), node_id)
 
-    def start(self, spec, master_addr: str, master_port: int) -> None:
+    def start(self, spec, master_addr: str, master_port: int, reported_up_to: int = 0) -> None:
         """Run the attempt's spec (a JobSpec) as the coordinator resolved it (GPUs, resume
-        point, size), without deciding any of it again."""
+        point, size), without deciding any of it again. ``reported_up_to``: the last step whose
+        metrics the coordinator has (the trainer reports earlier attempts' steps after it)."""
         if spec.training.compile:
             from hpservice.train._compile import isolate_compile_cache
 
@@ -61,10 +62,10 @@ class TrainWorker:
         interface = socket_interface(ray.util.get_node_ip_address())
         if interface is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-        self._thread = threading.Thread(target=self._run, args=(spec,), name=f"trainer-rank{self.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(spec, reported_up_to), name=f"trainer-rank{self.rank}", daemon=True)
         self._thread.start()
 
-    def _run(self, spec) -> None:
+    def _run(self, spec, reported_up_to: int) -> None:
         from hpservice.checkpoint import CheckpointStorageError
         from hpservice.spec import SpecError
         from hpservice.train import Trainer, TrainingError
@@ -75,6 +76,7 @@ class TrainWorker:
                 on_metrics=self._on_metrics,
                 on_checkpoint=lambda info: self._coordinator.record_checkpoint.remote(info),
                 log_fn=self._log,
+                reported_up_to=reported_up_to,
             )
             if self._stop.is_set():
                 self._trainer.request_stop()

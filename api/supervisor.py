@@ -256,7 +256,10 @@ class Supervisor:
         if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
             spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
             # the new coordinator continues the store's record (checkpoints, log numbers), not from nothing
-            continuation = Continuation(tuple(job["checkpoints"]), job.get("log_seq") or 0, job["checkpoints"][-1]["step"])
+            continuation = Continuation(
+                tuple(job["checkpoints"]), job.get("log_seq") or 0, job["checkpoints"][-1]["step"],
+                self.store.last_metric_step(job["id"]),
+            )  # fmt: skip
         with self._lock:
             if (self.store.get_job(job["id"]) or {}).get("state") not in WAITING_STATES:
                 return  # cancelled meanwhile

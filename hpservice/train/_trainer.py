@@ -264,9 +264,13 @@ class Trainer:
         on_checkpoint: MetricsCallback | None = None,
         log_fn: Callable[[str], None] | None = None,
         log_to_stdout: bool = True,
+        reported_up_to: int | None = None,
     ):
         """``on_metrics(record)`` and ``on_checkpoint(info)`` run on rank 0 after each step / commit;
-        ``log_fn(line)`` receives progress lines (default: print, unless ``log_to_stdout`` is False)."""
+        ``log_fn(line)`` receives progress lines (default: print, unless ``log_to_stdout`` is False).
+        ``reported_up_to``: the last step whose metrics ``on_metrics``' listener already has; a
+        run resuming past it first reports the steps between from its ``metrics.jsonl`` (an
+        earlier attempt trained them, but its reports were lost with its coordinator)."""
         confine(spec.input_roots)  # inputs are checked again on each file as it is opened
         self.spec = spec
         self.on_metrics = on_metrics
@@ -351,6 +355,8 @@ class Trainer:
             self.checkpoints = CheckpointManager(c.dir, keep=c.keep, async_save=c.async_, best_metric=c.keep_best)
             if c.resume_from:
                 self._resume(c.resume_from)
+        if reported_up_to is not None and self.rank == 0 and self.on_metrics is not None:
+            self._report_earlier_steps(reported_up_to)
         self._metrics_file = None
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -558,6 +564,25 @@ class Trainer:
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # ---- metrics ------------------------------------------------------------------------------
+    def _report_earlier_steps(self, reported_up_to: int) -> None:
+        """``on_metrics`` for each step in (``reported_up_to``, the resume step] that this run's
+        ``metrics.jsonl`` holds (the first record of a step: a re-trained step's is the same)."""
+        path = self.output_dir / "metrics.jsonl"
+        if self.step <= reported_up_to or not path.is_file():
+            return
+        earlier: dict[int, dict] = {}
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short by a killed process
+                    continue
+                step = record.get("step") if isinstance(record, dict) else None
+                if isinstance(step, int) and reported_up_to < step <= self.step:
+                    earlier.setdefault(step, record)
+        for step in sorted(earlier):
+            self.on_metrics(earlier[step])
+
     def _report(self, record: dict) -> None:
         if self.rank != 0:
             self._report_own(record)

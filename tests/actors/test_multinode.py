@@ -174,7 +174,7 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
     from hpservice.api.supervisor import Supervisor
 
     monkeypatch.setenv(COORDINATOR_RESOURCE_ENV, "coord")
-    steps = 1200
+    steps = 500  # each kill comes at most ~60 steps into an attempt: the job is mid-way at both
     job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 2})
     coordinator_node = {"num_cpus": 1, "resources": {"coord": 1}}
     with simulated_cluster(coordinator_node, coordinator_node, {"num_cpus": 2}) as cluster:
@@ -198,9 +198,11 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
                 lost_at.append(status["step"])
                 cluster.remove_node(_node_of(cluster, status["coordinator_node"]), allow_graceful=False)
                 cluster.add_node(**coordinator_node)  # room for the next coordinator
-            final = _wait(
-                lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300
-            )
+            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "", timeout=300)
+        except AssertionError:
+            job_now = store.get_job(job_id)
+            history = [(h["state"], h["message"]) for h in job_now["history"]][-6:]
+            raise AssertionError(f"not ended: {job_now['state']} at step {job_now['step']}; {history}") from None
         finally:
             supervisor.stop()
     assert final["state"] == "SUCCEEDED", final
