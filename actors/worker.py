@@ -66,7 +66,8 @@ class TrainWorker:
         self._thread.start()
 
     def _run(self, spec, reported_up_to: int) -> None:
-        from hpservice.checkpoint import CheckpointStorageError
+        from hpservice.checkpoint import CheckpointStorageError, UnsafeCheckpointError
+        from hpservice.inputs import InputError
         from hpservice.spec import SpecError
         from hpservice.train import Trainer, TrainingError
 
@@ -83,10 +84,10 @@ class TrainWorker:
             self._trainer.train()
         except BaseException as e:
             self._error = traceback.format_exc()
-            # Refused while being built from the spec, or checkpoints the storage cannot hold: the
-            # same spec would fail the same way.
+            # Refused while being built from the spec, checkpoints the storage cannot hold, or input
+            # files refused (outside the roots, or crafted): the same spec would fail the same way.
             built = self._trainer is not None
-            self._config_error = isinstance(e, CheckpointStorageError) or (
+            self._config_error = isinstance(e, CheckpointStorageError | UnsafeCheckpointError | InputError) or (
                 not built and isinstance(e, TrainingError | SpecError)
             )
             self._log(self._error)

@@ -124,3 +124,21 @@ def test_tokenizer_and_text_inputs_are_confined(roots, tmp_path):
     _swap_for_link(root / "tok.json", outside / "private.txt")
     with pytest.raises(InputError):
         prepare_data([root / "old.txt"], tmp_path / "out3.bin", root / "tok.json")
+
+
+def test_a_job_confined_by_the_service_refuses_a_data_file_swapped_after_admission(ranks, tmp_path):
+    """The worker's own path: a spec as the service admits it (``input_roots`` set), whose
+    ``data.path`` was swapped for a link out of the data root after the check at submit."""
+    from tests._jobs import tiny_llama_job
+    from tests._jobs import train as run
+
+    root, outside = tmp_path / "datasets", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (np.arange(4000) % 256).astype(np.uint16).tofile(outside / "secret.bin")
+    (root / "corpus.bin").symlink_to(outside / "secret.bin")  # what the check at submit never saw
+    spec = tiny_llama_job(tmp_path, data={"kind": "tokens", "path": str(root / "corpus.bin")})
+    confined = spec.model_copy(update={"input_roots": [str(root)]})
+    with pytest.raises(Exception, match="outside the directories this job may read"):
+        ranks(1).run(run, confined)
+    assert ranks(1).run(run, spec)[0]  # the control: unconfined (hpservice run), the same file trains

@@ -67,8 +67,11 @@ class Server:
         self.proc = None
 
     def start(self):
+        self.datasets = self.tmp / "datasets"  # the operator's data root, where a tenant can put files
+        self.datasets.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "hpservice", "serve", "--port", str(self.port), "--data-dir", str(self.tmp / "data"),
-               "--ray-address", self.ray_address, "--tokens-file", str(self.tmp / "tokens.yaml")]  # fmt: skip
+               "--ray-address", self.ray_address, "--tokens-file", str(self.tmp / "tokens.yaml"),
+               "--data-root", str(self.datasets)]  # fmt: skip
         log = open(self.tmp / f"server-{time.time():.0f}.log", "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.tmp,
@@ -289,3 +292,42 @@ def test_an_endless_body_is_refused_at_the_limit_without_reading_it_all(service)
             pass  # the server may close as soon as it has answered
         head = s.recv(4096)
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.databases("sqlite")  # about the workers, not the store
+def test_a_crafted_checkpoint_under_a_data_root_never_runs_code_on_a_worker(service, tmp_path):
+    """A tenant who can write under the data root plants a checkpoint whose DCP metadata is a
+    pickle that runs a command, and submits a job resuming from it: the job fails, naming the
+    refusal, and the command never runs."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+    crafted = service.datasets / f"shared-ckpt-{time.time_ns()}" / "step-00000002"
+    crafted.mkdir(parents=True)
+    payload = pickle.dumps(_Evil(marker))
+    (crafted / ".metadata").write_bytes(payload)
+    files = [{"name": ".metadata", "size": len(payload), "sha256": None, "rank": 0}]
+    (crafted / "manifest.json").write_text(json.dumps({"format": 1, "step": 2, "time": 0, "world_size": 2, "files": files}))
+    spec = _spec(tmp_path, "crafted", 20)
+    spec["checkpoint"] = {"resume_from": str(crafted), "interval": 10}
+    with _client(service) as c:
+        r = c.post("/v1/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        deadline = time.time() + 180
+        while (job := c.get(f"/v1/jobs/{job_id}").json())["state"] not in ("FAILED", "SUCCEEDED", "CANCELLED"):
+            assert time.time() < deadline, job
+            time.sleep(1)
+    assert job["state"] == "FAILED", job
+    assert "refusing to load posix.system" in job["message"], job["message"]
+    assert job["restarts"] == 0  # the same files would be refused again: no restart is spent
+    assert not marker.exists()
+    assert sorted(p.name for p in crafted.iterdir()) == [".metadata", "manifest.json"]  # an input: never written
