@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
 
 from hpservice.actors import COORDINATOR_RESOURCE_ENV, JobHandle, start_job
 from hpservice.actors.placement import infeasible, plan_placement
+from hpservice.spec import CheckpointSpec, MetricsSpec
 from hpservice.train import Trainer
 from tests._jobs import ray_job as _spec
 
@@ -130,37 +132,61 @@ def test_a_lost_node_fails_the_job_naming_it_when_no_capacity_comes_back(tmp_pat
         handle.shutdown()
 
 
-def test_a_lost_node_is_replaced_by_a_new_one_without_spending_a_restart(ranks, tmp_path):
-    """The node the job runs on dies; a node joins later; the job resumes from its latest
-    checkpoint on it, with the losses of an undisturbed run, and max_restarts 0 is not spent."""
+def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_the_shared_volume(ranks, tmp_path):
+    """The compose/KubeRay layout on this machine: the API's own directory (``api-data``, its
+    store) apart from the shared volume (``shared``, standing in for the claim every pod mounts
+    at one path), where ``--jobs-dir`` puts job directories. A job admitted as the API admits it
+    runs on the worker node; that node (the worker pod) dies and a new one joins; the job resumes
+    from its checkpoint on the shared volume without spending a restart (max_restarts 0), with
+    the losses of an undisturbed run, and the API exports its checkpoint from there."""
+    from fastapi.testclient import TestClient
+
+    from hpservice.api import Settings, create_app
+    from hpservice.api.policy import admit
+    from hpservice.api.settings import Principal
+    from hpservice.api.store import Store
+    from hpservice.api.supervisor import Supervisor
+
     steps = 400
-    spec = _spec(
-        tmp_path,
+    shared = tmp_path / "shared"
+    settings = Settings(data_dir=tmp_path / "api-data", jobs_dir=shared / "jobs", tokens={"t-alice": Principal("alice")})
+    job_id = "pod-restart-0001"
+    submitted = _spec(
+        tmp_path / "ignored",  # the API decides where a job writes: under --jobs-dir
         "replaced",
         training={"steps": steps},
         checkpoint={"interval": 5, "keep": 1},
         failure={"max_restarts": 0, "capacity_wait_s": 240},
-    )
+    ).model_copy(update={"metrics": MetricsSpec(), "checkpoint": CheckpointSpec(interval=5, keep=1)})
+    spec = admit(submitted, Principal("alice"), job_id, settings)
+    home = shared / "jobs" / "alice" / job_id
+    assert spec.checkpoint.dir.startswith(str(home.resolve())), spec.checkpoint.dir
+    store = Store(settings.db_url)
     with simulated_cluster({"num_cpus": 2}) as cluster:
-        handle = start_job(spec)
-        status = _wait(lambda: (s := handle.status())["checkpoints"] and s, "checkpointed")
-        node_id = status["placement"][0]["node_id"]
-        cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)
-        waiting = _wait(
-            lambda: (s := handle.status())["message"].startswith("waiting for capacity") and s, "waiting for capacity"
-        )
-        assert waiting["state"] == "RESTARTING" and f"node {node_id[:8]}" in waiting["message"], waiting
-        cluster.add_node(num_cpus=2)
-        status = handle.wait(timeout=300)
-        assert status["state"] == "SUCCEEDED", status
-        assert status["restarts"] == 0 and len(status["node_losses"]) == 1, status
-        assert {p["node_id"] for p in status["placement"]} != {node_id}
-        records = handle.poll(since_step=0)["records"]
-        handle.shutdown()
+        supervisor = Supervisor(store, poll_interval_s=0.2)
+        store.create_job(job_id, spec.name, "alice", spec.model_dump(mode="json", by_alias=True), steps, None)
+        supervisor.start()
+        try:
+            _wait(lambda: store.get_job(job_id)["checkpoints"], "checkpointed")
+            node_id = JobHandle.attach(job_id).status()["placement"][0]["node_id"]
+            cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)  # the worker pod dies
+            _wait(lambda: store.get_job(job_id)["message"].startswith("waiting for capacity"), "waiting for capacity")
+            cluster.add_node(num_cpus=2)  # its replacement joins
+            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300)
+        finally:
+            supervisor.stop()
+    assert final["state"] == "SUCCEEDED" and final["restarts"] == 0, final
+    assert "lacks the metrics" not in final["message"], final
+    assert [c["step"] for c in final["checkpoints"]] == [steps]
+    assert final["checkpoints"][0]["path"].startswith(str(home.resolve()))
+    with TestClient(create_app(settings, connect_ray=False, supervise=False)) as api:
+        r = api.post(f"/v1/jobs/{job_id}/checkpoints/{steps}/export", headers={"Authorization": "Bearer t-alice"})
+        assert r.status_code == 200, r.text
+        assert r.json()["path"].startswith(str(home.resolve())) and (Path(r.json()["path"]) / "config.json").is_file()
+    losses = [r["loss"] for r in store.metrics(job_id, 0)]
+    assert len(losses) == steps
     expected = ranks(2).run(_torchrun_losses, _spec(tmp_path / "ref", "replaced", training={"steps": steps}))[0]
-    by_step = {r["step"]: r["loss"] for r in records}  # the resumed attempt's record of a step replaces the first
-    assert sorted(by_step) == list(range(1, steps + 1))
-    assert [by_step[s] for s in range(1, steps + 1)] == expected
+    assert losses == expected
 
 
 def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_nothing(ranks, tmp_path, monkeypatch):
