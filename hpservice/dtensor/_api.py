@@ -13,6 +13,7 @@ import copy
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_supported_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_supported_types
 
@@ -180,6 +181,7 @@ class DTensor(torch.Tensor):
                     f"from_local: local shape {tuple(local_tensor.shape)} != {expected} for shape {tuple(shape)}"
                 )
         if run_check:
+            _check_local_metadata(local_tensor, device_mesh, placements)
             local_tensor = _broadcast_replicas(local_tensor, device_mesh, placements)
         spec = DTensorSpec(device_mesh, placements, tuple(shape), tuple(stride) if stride is not None else None)
         if torch.is_grad_enabled() and local_tensor.requires_grad:
@@ -188,7 +190,7 @@ class DTensor(torch.Tensor):
                 if grad_placements is None
                 else spec.with_placements(normalize_placements(grad_placements, device_mesh, local_tensor.ndim))
             )
-            return _FromLocal.apply(local_tensor, spec, grad_spec)
+            return _FromLocal.apply(local_tensor, spec, grad_spec, grad_placements is not None)
         return DTensor(local_tensor, spec, requires_grad=False)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -288,17 +290,35 @@ def _grad_placements(forward: Sequence[Placement], grad: Sequence[Placement]) ->
 
 
 class _FromLocal(torch.autograd.Function):
+    """The gradient of ``local_tensor`` as torch's from_local gives it: by default the forward
+    placements, a Partial one taken as Replicate (d global / d local is the identity per rank);
+    with ``grad_placements`` given explicitly, those, where a Replicate gradient asked for as
+    Partial(sum) is divided by the group size on every rank (torch's partition of a replicated
+    value), so each rank's local gradient is torch's."""
+
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_spec: DTensorSpec):
-        ctx.spec = grad_spec
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_spec: DTensorSpec, explicit: bool):
+        ctx.spec, ctx.explicit = grad_spec, explicit
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        target = ctx.spec.with_placements(_grad_placements(ctx.spec.placements, grad.placements))
+        wanted = ctx.spec.placements
+        divide = 1
+        if ctx.explicit:
+            split = []
+            for i, (w, g) in enumerate(zip(wanted, grad.placements, strict=True)):
+                if w.is_partial("sum") and g.is_replicate():
+                    divide *= ctx.spec.mesh.size(i)
+                    split.append(Replicate())  # partitioned below, by division as torch does
+                else:
+                    split.append(w)
+            wanted = tuple(split)
+        target = ctx.spec.with_placements(_grad_placements(wanted, grad.placements))
         if grad._spec != target:
             grad = _redistribute(grad, grad._spec.with_placements(target.placements), False)
-        return grad._wait_local(), None, None
+        local = grad._wait_local()
+        return (local / divide if divide > 1 else local), None, None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -335,6 +355,32 @@ class _Redistribute(torch.autograd.Function):
             if grad.dtype != dtype:
                 grad = DTensor(grad._wait_local().to(dtype), grad._spec, requires_grad=False)
         return grad, None, None, None
+
+
+def _check_local_metadata(local: torch.Tensor, mesh: DeviceMesh, placements) -> None:
+    """``run_check``: the pieces of one DTensor agree, as torch's ``check_tensor_meta`` makes
+    them: the same dtype and ``requires_grad`` on every rank, and the same local shape except
+    along a dim sharded over the mesh dim that tells them apart (uneven shards are fine: the
+    global shape is gathered exactly; torch requires even ones there). Compared within each mesh
+    dim's group, whose ranks differ only in that coordinate. ``ValueError`` otherwise, on every
+    rank (each sees the same gathered list)."""
+    if local.is_meta:
+        return
+    for i, p in enumerate(placements):
+        if mesh.size(i) == 1:
+            continue
+        free = p.dim if isinstance(p, Shard) else None
+        mine = (str(local.dtype), bool(local.requires_grad), tuple(local.shape))
+        seen = [None] * mesh.size(i)
+        dist.all_gather_object(seen, mine, group=mesh.get_group(i))
+
+        keys = [(dtype, grad, len(shape), tuple(n for d, n in enumerate(shape) if d != free)) for dtype, grad, shape in seen]
+        if any(k != keys[0] for k in keys):
+            name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i)
+            raise ValueError(
+                f"DTensor.from_local(run_check=True): inconsistent tensor metadata across the ranks of mesh dim "
+                f"{name} ({p}): (dtype, requires_grad, local shape) per rank {seen}"
+            )
 
 
 def _broadcast_replicas(local: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:

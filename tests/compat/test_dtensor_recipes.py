@@ -299,6 +299,40 @@ def test_from_local_run_check_and_grad_placements_and_redistribute_dtypes(ranks)
     ranks(2).run(_check_from_local)
 
 
+def _check_from_local_like_torch():
+    """Every rank's local gradient for each forward placement x grad_placements, and run_check
+    on pieces of different shapes, through torch and ours."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grads, errors = [], []
+    for api, mesh in _both(world):
+        mine = {}
+        placements = {"R": api.Replicate(), "P": api.Partial()}
+        for fwd in ("R", "P"):
+            for gp in (None, "R", "P"):
+                leaf = torch.arange(4.0, requires_grad=True)
+                d = api.DTensor.from_local(
+                    leaf * (rank + 1), mesh, [placements[fwd]], grad_placements=None if gp is None else [placements[gp]]
+                )
+                (d.redistribute(mesh, [api.Replicate()]) * 3).sum().backward()
+                mine[(fwd, gp)] = leaf.grad
+        grads.append(mine)
+        with pytest.raises(ValueError, match=r"(?i)inconsistent tensor metadata"):
+            api.DTensor.from_local(torch.ones(2 + rank), mesh, [api.Replicate()], run_check=True)
+        with pytest.raises(ValueError, match=r"(?i)inconsistent tensor metadata"):  # dtypes differ
+            piece = torch.ones(2, dtype=torch.float64 if rank else torch.float32)
+            api.DTensor.from_local(piece, mesh, [api.Replicate()], run_check=True)
+        errors.append(True)
+    for key, ours_grad in grads[0].items():
+        torch.testing.assert_close(ours_grad, grads[1][key], msg=f"grad of {key}")
+    # a Replicate gradient asked for as Partial: divided on every rank (times this rank's factor)
+    assert grads[0][("R", "P")].tolist() == [3.0 * (rank + 1) / world] * 4
+    return True
+
+
+def test_from_local_gradients_and_run_check_are_torchs(ranks):
+    ranks(2).run(_check_from_local_like_torch)
+
+
 # ---- copies, pickles and torch.save ------------------------------------------------------------
 
 
