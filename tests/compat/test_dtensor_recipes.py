@@ -539,3 +539,30 @@ def _check_broadcast_from_rank0():
 
 def test_torch_state_dict_broadcast_from_rank0(ranks):
     ranks(2).run(_check_broadcast_from_rank0)
+
+
+# ---- views of non-contiguous DTensors ------------------------------------------------------------
+
+
+def _check_views_of_non_contiguous():
+    world = dist.get_world_size()
+    outcomes = []
+    for api, mesh in _both(world):
+        mine = {}
+        for name, placement in (("R", api.Replicate()), ("S0", api.Shard(0))):
+            x = api.distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [placement])
+            try:
+                x.t().view(-1)
+                mine[name] = "viewed"
+            except RuntimeError:
+                mine[name] = "refused"
+            mine[name + " reshape"] = x.t().reshape(-1).full_tensor().tolist()
+            mine[name + " contiguous view"] = x.t().contiguous().view(-1).full_tensor().tolist()
+        outcomes.append(mine)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0]["R"] == "refused" and outcomes[0]["R reshape"] == torch.arange(12.0).reshape(4, 3).t().reshape(-1).tolist()
+    return True
+
+
+def test_a_view_torch_cannot_make_is_refused_as_torch_refuses_it(ranks):
+    ranks(2).run(_check_views_of_non_contiguous)

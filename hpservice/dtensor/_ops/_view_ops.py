@@ -55,6 +55,11 @@ def _view_rule(func, args, kwargs) -> Decision:
     out_shape = _resolve_size(x.shape, args[1])
     if math.prod(out_shape) != math.prod(x.shape):
         raise RuleError(f"shape {list(args[1])} is invalid for a tensor of shape {list(x.shape)}")
+    if func is aten.view.default:
+        # a view of the global tensor as torch sees it (its strides: x.t() is not contiguous): where
+        # torch cannot view it, neither do we (torch's own error), rather than copying silently
+        stride = x.stride() if callable(x.stride) else x.stride
+        torch.empty_strided(x.shape, stride, device="meta").view(args[1])
     target, out = [], []
     for p in x.placements:
         if p.is_shard():
