@@ -16,7 +16,8 @@ class MixedPrecisionPolicy:
     param_dtype: dtype of the unsharded parameters (all-gathered and used in forward/backward);
         None keeps the original dtype.
     reduce_dtype: dtype in which gradients are reduced; None uses param_dtype (or the original).
-    output_dtype: dtype the root module's floating outputs are cast to; None leaves them.
+    output_dtype: dtype the floating outputs of each fully_shard module are cast to (as torch's FSDP);
+        None leaves them.
     cast_forward_inputs: cast floating forward inputs to param_dtype.
     """
 

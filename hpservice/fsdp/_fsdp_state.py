@@ -148,8 +148,8 @@ class FSDPState:
             tree_map(self._register_pre_backward, output)
         if self.is_root:
             self._order_recorded = True
-            if self.mp_policy.output_dtype is not None:
-                output = _cast_floats(output, self.mp_policy.output_dtype)
+        if self.mp_policy.output_dtype is not None:  # every fully_shard module's outputs, as torch's FSDP
+            output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     def _forward_targets(self) -> list[FSDPState]:

@@ -303,3 +303,36 @@ def _check_int_reshard_not_built():
 
 def test_integer_reshard_to_a_smaller_group_raises_not_built(ranks):
     ranks(4).run(_check_int_reshard_not_built)
+
+
+# ---- MixedPrecisionPolicy(output_dtype=...) on an inner module ------------------------------------
+
+
+def _check_output_dtype_of_inner_modules():
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TPolicy
+
+    from hpservice.fsdp import MixedPrecisionPolicy
+
+    t_mesh, t_fully_shard, _, _ = _torch_api()
+    world = dist.get_world_size()
+    dtypes = []
+    for shard_fn, mesh, policy in (
+        (fully_shard, init_device_mesh("cpu", (world,)), MixedPrecisionPolicy),
+        (t_fully_shard, t_mesh("cpu", (world,)), TPolicy),
+    ):
+        torch.manual_seed(0)
+        model = MLP()
+        for block in model.blocks:
+            shard_fn(block, mesh=mesh, mp_policy=policy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+        shard_fn(model, mesh=mesh)  # the root (the head) in float32: it takes the blocks' float32 outputs
+        x = local_slice(batch(0, world)[0], dist.get_rank(), world)
+        root_out = model(x)
+        blocks_out = [block(x).dtype for block in model.blocks]  # each block alone, through its hooks
+        dtypes.append((blocks_out, root_out.dtype))
+    assert dtypes[0] == dtypes[1], dtypes
+    assert dtypes[0][0] == [torch.float32] * 3 and dtypes[0][1] == torch.float32
+    return True
+
+
+def test_output_dtype_applies_to_every_fully_shard_module_as_torch(ranks):
+    ranks(2).run(_check_output_dtype_of_inner_modules)
