@@ -89,6 +89,7 @@ class FSDPParamGroup:
         self.mesh = mesh_info.mesh
         self.fqn = ""  # the module's name in the root, set at the root's lazy init (profiler labels)
         self.state = ShardState.SHARDED
+        self.unshard_count = 0  # all-gathers issued so far
         self.shard_group = mesh_info.shard_process_group
         self.shard_size = mesh_info.shard_mesh_size  # S
         hsdp = isinstance(mesh_info, HSDPMeshInfo)
@@ -228,6 +229,7 @@ class FSDPParamGroup:
                     self.ag_in.copy_(self.flat_shard, non_blocking=True)
             self._ag_work = all_gather_flat(self.ag_in, self.ag_out, self.shard_group)
         self.state = ShardState.UNSHARDING
+        self.unshard_count += 1  # names this all-gather, for an UnshardHandle that waits for it later
 
     def wait_for_unshard(self) -> None:
         if self.state is ShardState.SHARDED:

@@ -23,23 +23,30 @@ from hpservice.dtensor.device_mesh import mesh_device
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_common import mesh_info
 from ._fsdp_param import FSDPParam
-from ._fsdp_param_group import FSDPParamGroup
+from ._fsdp_param_group import FSDPParamGroup, ShardState
 from ._fsdp_state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes that all-gather.
+
+    As torch's: a wait after something else finished it (the forward that followed, which may
+    also have resharded and, after an optimizer step, left it stale) does nothing; it never
+    gathers again."""
 
     def __init__(self, group: FSDPParamGroup | None):
         self._group = group
+        self._all_gather = group.unshard_count if group is not None else None
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group.use_unsharded()
-            self._group = None
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if group.state is ShardState.UNSHARDING and group.unshard_count == self._all_gather:
+            group.wait_for_unshard()
+            group.use_unsharded()
 
 
 def _check_bool(name: str, value) -> None:

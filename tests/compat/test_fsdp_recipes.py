@@ -336,3 +336,40 @@ def _check_output_dtype_of_inner_modules():
 
 def test_output_dtype_applies_to_every_fully_shard_module_as_torch(ranks):
     ranks(2).run(_check_output_dtype_of_inner_modules)
+
+
+# ---- a late UnshardHandle.wait() ------------------------------------------------------------------
+
+
+def _check_late_unshard_wait():
+    """``h = model.unshard(async_op=True)``; forward and backward; ``h.wait()`` only then; the
+    optimizer step; the next forward must see the stepped weights (torch: a late wait is a no-op).
+    Trained a few steps that way, both engines end where one process does."""
+    t_mesh, t_fully_shard, _, _ = _torch_api()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    finals = []
+    for shard_fn, mesh in ((None, None), (fully_shard, init_device_mesh("cpu", (world,))), (t_fully_shard, t_mesh("cpu", (world,)))):
+        torch.manual_seed(0)
+        model = MLP()
+        if shard_fn is not None:
+            _shard_blocks(model, shard_fn, mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            x, y = batch(step, world, per_rank=4)  # the global batch: one process takes it whole
+            if shard_fn is not None:
+                x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+            handle = model.unshard(async_op=True) if shard_fn is not None else None
+            nn.functional.mse_loss(model(x), y).backward()
+            if handle is not None:
+                handle.wait()  # late: after the forward and backward that used the gather
+            opt.step()
+            opt.zero_grad()
+        finals.append(_full(model))
+    for name in finals[0]:
+        torch.testing.assert_close(finals[1][name], finals[0][name], msg=f"ours vs one process: {name}")
+        torch.testing.assert_close(finals[2][name], finals[0][name], msg=f"torch vs one process: {name}")
+    return True
+
+
+def test_a_late_unshard_wait_is_a_no_op_and_training_equals_one_process(ranks):
+    ranks(2).run(_check_late_unshard_wait)

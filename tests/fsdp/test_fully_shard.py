@@ -2,6 +2,7 @@
 concatenated global batch (fp32, 1e-5), and the communication is what the design says."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -287,8 +288,12 @@ def _check_mixed_precision():
             p.grad = g
         opt.step()
         opt.zero_grad()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    model = _wrap(copy.deepcopy(base), _mesh((2,)), mp_policy=mp)
+    inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = _mesh((2,))
+    model = copy.deepcopy(base)
+    for b in model.blocks:  # output_dtype on the root only: it applies to each module's outputs (torch's FSDP)
+        fully_shard(b, mesh=mesh, mp_policy=inner)
+    fully_shard(model, mesh=mesh, mp_policy=dataclasses.replace(inner, output_dtype=torch.float32))
     out_dtypes = []
     model.register_forward_hook(lambda m, a, o: out_dtypes.append(o.dtype))
     sharded_run(model, STEPS)
