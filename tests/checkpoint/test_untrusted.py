@@ -205,3 +205,31 @@ def test_reading_a_checkpoint_never_writes_beside_it(tmp_path):
     CheckpointReader(checkpoint).extra()
     assert main(["export", str(checkpoint), str(tmp_path / "out.safetensors")]) == 0
     assert _tree(root) == before
+
+
+def test_a_hugging_face_directory_is_read_as_safetensors_only(tmp_path, marker, capsys):
+    """``model.init_from`` and ``hpservice generate`` on an HF directory: a pickled
+    ``pytorch_model.bin`` is never loaded, and an index that points outside the directory is refused."""
+    from hpservice.inputs import InputError
+    from hpservice.models.hf import HFFormatError, load_hf_weights, save_hf_pretrained
+
+    model, _ = _trained()
+    crafted = save_hf_pretrained(model, tmp_path / "hf-bin")
+    (crafted / "model.safetensors").unlink()
+    torch.save({"payload": Evil(marker)}, crafted / "pytorch_model.bin")  # what transformers would unpickle
+    with pytest.raises(HFFormatError, match=r"no model\.safetensors"):
+        load_hf_weights(Llama(CFG), crafted)
+    assert "no model.safetensors" in _cli_fails(["generate", str(crafted), "--prompt", "a", "--max-new-tokens", "2"], capsys)
+
+    outside = save_hf_pretrained(model, tmp_path / "elsewhere")
+    escaping = save_hf_pretrained(model, tmp_path / "hf-index")
+    from safetensors import safe_open
+
+    with safe_open(str(escaping / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    (escaping / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "../elsewhere/model.safetensors")}
+    (escaping / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InputError, match="outside"):
+        load_hf_weights(Llama(CFG), escaping)
+    load_hf_weights(Llama(CFG), outside)  # the control: the same weights, in their own directory
