@@ -432,16 +432,10 @@ class Store:
             row = self._locked(s, job_id)
             if row is None:
                 return
-            steps = {r["step"] for r in records}
-            stored = select(MetricRow.step).where(MetricRow.job_id == job_id, MetricRow.step.between(min(steps), max(steps)))
-            have = set(s.scalars(stored))
-            for r in records:  # each step once: a restart re-trains steps from its checkpoint that are stored
-                if r["step"] in have:
-                    continue
-                have.add(r["step"])
-                s.add(MetricRow(job_id=job_id, step=r["step"], record_json=json.dumps(r)))
+            for r in records:  # one row a step: a restart's replay of a stored step replaces it
+                s.merge(MetricRow(job_id=job_id, step=r["step"], record_json=json.dumps(r)))
                 self._add_event(s, job_id, "metrics", r)
-            row.step = max(row.step, max(steps))
+            row.step = max(row.step, max(r["step"] for r in records))
             s.commit()
 
     def missing_metric_steps(self, job_id: str, steps: int) -> list[int]:

@@ -297,18 +297,21 @@ class Supervisor:
         coordinator = handle.coordinator
         self._requests[job["id"]] = _Request(
             handle=handle,
-            poll=coordinator.poll.remote(0, self._metric_cursor(job["id"], handle)),
+            poll=coordinator.poll.remote(*self._metric_cursor(job["id"], handle)),
             logs=coordinator.logs.remote(None, None, 0, job.get("log_seq") or 0),
             log_time=job["log_time"] if job.get("log_seq") is None else -1.0,
             issued=time.monotonic(),
         )
 
-    def _metric_cursor(self, job_id: str, handle: JobHandle) -> int:
-        """Where to resume reading ``handle``'s coordinator's metrics: its own arrival count,
-        starting from 0 for a coordinator this process has not read yet (a relaunch, or one
-        re-attached after a restart of the server: the store keeps only steps it lacks)."""
+    def _metric_cursor(self, job_id: str, handle: JobHandle) -> tuple[int, int]:
+        """``(since_step, after)`` for ``Coordinator.poll``: for a coordinator this process reads
+        already, its arrival count (steps may arrive out of order: a step cursor would skip
+        some); for one it has not read yet (a relaunch, or a coordinator re-attached after a
+        restart of the server), the steps after the last one stored, which it has not sent."""
         seen = self._metric_cursors.get(job_id)
-        return seen[1] if seen is not None and seen[0] is handle else 0
+        if seen is not None and seen[0] is handle:
+            return 0, seen[1]
+        return self.store.last_metric_step(job_id), 0
 
     def _coordinator_lost(self, job_id: str, why: str) -> None:
         """A launched job whose coordinator is gone (its node lost, the Ray cluster restarted):

@@ -264,7 +264,8 @@ def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_me
     monkeypatch.setattr(supervisor_module, "start_job", _fake_start(launches))
     store = Store(url)
     store.create_job("two-1", "s", "alice", {**SPEC, "resources": {"workers": 1, "use_gpu": False}}, 100, None)
-    replicas = [Supervisor(Store(url), poll_interval_s=0.1, lease_ttl_s=2.0) for _ in range(2)]
+    # a ttl with slack for a loaded machine: a slow tick must not lose the lease
+    replicas = [Supervisor(Store(url), poll_interval_s=0.1, lease_ttl_s=5.0) for _ in range(2)]
     for r in replicas:
         r.start()
     try:
