@@ -78,10 +78,11 @@ class FSDPModule:
         group = self._fsdp_state.group
         if group is not None:
             group.unshard()
-        handle = UnshardHandle(group)
         if async_op:
-            return handle
-        handle.wait()
+            return UnshardHandle(group)
+        if group is not None:  # now: gathered, and the module on its unsharded parameters, whatever came before
+            group.wait_for_unshard()
+            group.use_unsharded()
         return None
 
     def reshard(self) -> None:

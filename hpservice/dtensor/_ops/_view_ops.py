@@ -57,9 +57,13 @@ def _view_rule(func, args, kwargs) -> Decision:
         raise RuleError(f"shape {list(args[1])} is invalid for a tensor of shape {list(x.shape)}")
     if func is aten.view.default:
         # a view of the global tensor as torch sees it (its strides: x.t() is not contiguous): where
-        # torch cannot view it, neither do we (torch's own error), rather than copying silently
+        # torch cannot view it, neither do we (torch's error), rather than copying silently
         stride = x.stride() if callable(x.stride) else x.stride
-        torch.empty_strided(x.shape, stride, device="meta").view(args[1])
+        if not _viewable(tuple(x.shape), tuple(stride), out_shape):
+            raise RuntimeError(
+                "view size is not compatible with input tensor's size and stride (at least one dimension spans "
+                "across two contiguous subspaces). Use .reshape(...) instead."
+            )
     target, out = [], []
     for p in x.placements:
         if p.is_shard():
@@ -74,6 +78,29 @@ def _view_rule(func, args, kwargs) -> Decision:
             target.append(p)
             out.append(p)
     return Decision((_spec(x, target, x.shape),), _spec(x, out, out_shape), local_shape_arg=1, local_fn=_local_view)
+
+
+def _viewable(shape: tuple[int, ...], stride: tuple[int, ...], new_shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` can be viewed as ``new_shape``: torch's own rule
+    (``at::detail::computeStride``), in plain Python. (Running a meta tensor's view here would be
+    an op that activation checkpointing's dispatch modes record, shifting their cache.)"""
+    if not shape or math.prod(shape) == 0:
+        return True
+    view_d = len(new_shape) - 1
+    chunk_base_stride = stride[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[tensor_d]
+        if tensor_d == 0 or (shape[tensor_d - 1] != 1 and stride[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return False
+            if tensor_d > 0:
+                chunk_base_stride = stride[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return view_d == -1
 
 
 def _view_map(shape, out_shape, d: int) -> int | None:
