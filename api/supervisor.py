@@ -355,7 +355,7 @@ class Supervisor:
                 self._handles.pop(job_id, None)
             self._coordinator_lost(job_id, f"its coordinator died ({_first_line(e)})")
             return
-        self.store.add_metrics(job_id, update["records"])  # the steps it has not stored yet
+        self.store.add_metrics(job_id, update["records"])
         self._metric_cursors[job_id] = (request.handle, update["cursor"])
         self.store.add_logs(job_id, lines)
         status = update["status"]
@@ -371,7 +371,6 @@ class Supervisor:
                 self._handles.pop(job_id, None)
                 self._metric_cursors.pop(job_id, None)
             request.handle.shutdown()
-
 
     def _check_metrics_complete(self, job_id: str, status: dict) -> dict:
         """A job that trained every step must have every step's metrics stored; where it does not
