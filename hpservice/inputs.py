@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["InputError", "confine", "confined_roots", "input_dir", "open_input", "opened_path"]
+__all__ = ["InputError", "confine", "input_dir", "open_input", "opened_path"]
 
 
 class InputError(PermissionError):
@@ -40,10 +40,6 @@ def confine(roots: Sequence[str | os.PathLike] | None) -> None:
     """Allow this process to read inputs only under ``roots`` (None: anywhere)."""
     global _roots
     _roots = None if roots is None else tuple(Path(os.path.realpath(r)) for r in roots)
-
-
-def confined_roots() -> tuple[Path, ...] | None:
-    return _roots
 
 
 def _fd_target(fd: int, name: str | os.PathLike) -> Path:
