@@ -20,7 +20,8 @@ answers with 422. The rules:
   of the operator's data roots
   (``Settings.data_roots``, ``--data-root``); with none configured, the service reads no files.
   ``checkpoint.resume_from`` and ``model.init_from`` may name a checkpoint in one of the owner's
-  own job directories (an admin may name any owner's), or one under a data root.
+  own job directories (an admin may name any owner's), or one under a data root. Each must exist
+  where this server can see it (``hpservice.preflight.check_inputs``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from importlib import metadata
 from pathlib import Path
 
 from hpservice.models import list_models
+from hpservice.preflight import check_inputs
 from hpservice.spec import JobSpec, SpecError
 
 from .settings import Principal, Settings
@@ -104,6 +106,13 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
             "input_roots": input_roots(settings, principal, home),
         }
     )
+    # The files it reads exist, where this server can see them (the data roots and job directories
+    # the API shares with the workers); a root this machine does not have is the workers' to judge.
+    seen = [root for root in map(_real, [*settings.data_roots, settings.jobs_root]) if root.is_dir()]
+    missing = check_inputs(checked, visible=lambda p: any(_within(_real(p), root) for root in seen))
+    if missing:
+        lines = "\n".join(f"  {path}: {msg}" for path, msg in missing)
+        raise SpecError(f"job spec: names inputs that do not exist\n{lines}", missing)
     return checked.with_run(job_id)
 
 

@@ -80,6 +80,14 @@ def serve(
             file=sys.stderr,
         )
         return 2
+    from hpservice.preflight import check_factories_import
+
+    # every factory a job may name imports here too (the workers share this environment, or the
+    # image): a typo or a missing package stops the server now, not every job that names it later
+    if broken := check_factories_import(settings.model_factories):
+        for _, message in broken:
+            print(f"hpservice serve: --allow-model / HPSERVICE_MODEL_FACTORIES: {message}", file=sys.stderr)
+        return 2
     try:
         settings.tokens = load_tokens(tokens_file)
         settings.quotas = load_quotas(quotas_file or os.environ.get("HPSERVICE_QUOTAS_FILE"))

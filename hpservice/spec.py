@@ -120,7 +120,9 @@ class ModelSpec(_Section):
         "llama", max_length=200, description="built-in model ('llama', 'mlp') or 'package.module:factory'"
     )
     flavor: str | None = Field(
-        "tiny", max_length=64, description="size preset of a built-in model (tiny, small, 1B, 8B)"
+        None,
+        max_length=64,
+        description="size preset of a built-in model (tiny, small, 1B, 8B; null: tiny); a factory takes none",
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -137,10 +139,16 @@ class ModelSpec(_Section):
     @model_validator(mode="after")
     def _flavor_exists(self):
         """A built-in model's flavor must be one of its own. (Other names are checked where they
-        are resolved: ``check_local_model`` here, the server's allowlist in the service.)"""
+        are resolved: ``hpservice.preflight.check_model``, the server's allowlist in the service.)"""
         from hpservice.models import list_flavors, list_models  # torch: only when a spec is validated
 
-        if self.name in list_models() and self.flavor is not None and self.init_from is None:
+        if self.name not in list_models() and self.flavor is not None:
+            raise ValueError(
+                f"model.flavor: {self.flavor!r} only applies to the built-in models ({', '.join(list_models())}); "
+                f"{self.name!r} takes its settings from model.overrides (its factory's keyword arguments): "
+                "leave flavor out"
+            )
+        if self.flavor is not None and self.init_from is None:
             flavors = list_flavors(self.name)
             if self.flavor not in flavors:
                 raise ValueError(
@@ -642,41 +650,6 @@ def parse_job(data: Any, *, source: str = "job") -> JobSpec:
         errors = [_located(_field_path(err["loc"]), _message(err)) for err in e.errors()]
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
         raise SpecError(f"{source}: invalid job spec\n{lines}", errors) from None
-
-
-def check_world(spec: JobSpec, *, source: str = "job") -> None:
-    """What a launcher checks before starting anything: the parallelism divides the job's
-    ``resources.workers`` (torchrun gives the world size instead, and checks it at start)."""
-    try:
-        spec.parallelism.resolve(spec.resources.workers)
-    except SpecError as e:
-        message = f"{str(e).removeprefix('parallelism: ')} (resources.workers is {spec.resources.workers})"
-        raise SpecError(f"{source}: invalid job spec\n  parallelism: {message}", [("parallelism", message)]) from None
-    low = spec.resources.min_workers
-    if low is not None and low < spec.resources.workers and low not in spec.elastic_sizes():
-        try:
-            spec.resized(low)
-            message = f"{low} workers cannot run this job's layout"
-        except SpecError as e:
-            message = str(e)
-        sizes = spec.elastic_sizes()
-        if sizes:
-            message += f" (sizes it can shrink to: {', '.join(map(str, sizes))})"
-        raise SpecError(f"{source}: invalid job spec\n  resources.min_workers: {message}", [("resources.min_workers", message)])
-
-
-def check_local_model(spec: JobSpec, *, source: str = "job") -> None:
-    """For a job run on this machine (``hpservice run``, ``validate``): the model is a built-in or
-    a ``package.module:factory`` path. (A server may also resolve names of its own: ``submit``
-    leaves them to it.)"""
-    from hpservice.models import list_models
-
-    builtins = list_models()
-    name = spec.model.name
-    if name not in builtins and ":" not in name:
-        message = f"{name!r} is neither a built-in model ({', '.join(builtins)}) nor 'package.module:factory'"
-        message += did_you_mean(name, builtins)
-        raise SpecError(f"{source}: invalid job spec\n  model.name: {message}", [("model.name", message)])
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

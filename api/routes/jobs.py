@@ -17,7 +17,8 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from hpservice.jobs import TERMINAL_STATES
-from hpservice.spec import INT64, JobSpec, SpecError, check_world, new_run_id, parse_job, yaml_error, yaml_load
+from hpservice.preflight import check_layout, raise_if
+from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yaml_error, yaml_load
 
 from ..auth import current_principal
 from ..deps import get_settings, get_store, get_supervisor, visible_job
@@ -83,7 +84,7 @@ def _decode(raw: bytes, ctype: str):
 def _validate(data) -> JobSpec:
     try:
         spec = parse_job(data, source="job spec")
-        check_world(spec, source="job spec")
+        raise_if(check_layout(spec), "job spec")
         return spec
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]

@@ -81,7 +81,7 @@ def _demo(args) -> int:
 
 
 def _run(args) -> int:
-    spec = load_launchable(args)
+    spec = load_launchable(args, here=args.address is None)
     if spec is None:
         return ExitCode.USAGE
     if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
@@ -102,11 +102,12 @@ def _validate(args) -> int:
     spec = load_launchable(args)
     if spec is None:
         return ExitCode.USAGE
-    print(
-        f"{args.job}: valid job {spec.name!r} ("
-        + (f"llama from {spec.model.init_from}" if spec.model.init_from else f"{spec.model.name}/{spec.model.flavor}")
-        + f", {spec.training.steps} steps)"
-    )
+    m = spec.model
+    if m.init_from:
+        model = f"llama from {m.init_from}"
+    else:
+        model = m.name if ":" in m.name else f"{m.name}/{m.flavor or 'tiny'}"
+    print(f"{args.job}: valid job {spec.name!r} ({model}, {spec.training.steps} steps)")
     return ExitCode.OK
 
 
@@ -136,17 +137,16 @@ def _export(args) -> int:
     return ExitCode.OK
 
 
-def load_launchable(args, *, local: bool = True):
+def load_launchable(args, *, here: bool = True):
     """The job file with ``--set`` overrides, checked as far as it can be before anything starts
-    (the spec; the parallelism divides ``resources.workers``; for a job run here, the model name
-    resolves on this machine); None after printing why."""
-    from hpservice.spec import SpecError, check_local_model, check_world, load_job
+    (``hpservice.preflight``: the layout everywhere; for a job run on this machine, ``here``, also
+    its model, its input files and its GPU); None after printing why."""
+    from hpservice.preflight import preflight
+    from hpservice.spec import SpecError, load_job
 
     try:
         spec = load_job(args.job, args.set)
-        check_world(spec, source=args.job)
-        if local:
-            check_local_model(spec, source=args.job)
+        preflight(spec, source=args.job, here=here)
     except SpecError as e:
         print(e, file=sys.stderr)
         return None

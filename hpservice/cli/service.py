@@ -140,7 +140,7 @@ def _text(value):
 
 
 def _cmd_submit(args) -> int:
-    spec = load_launchable(args, local=False)  # the server resolves model names of its own
+    spec = load_launchable(args, here=False)  # the server resolves model names and reads files of its own
     if spec is None:
         return ExitCode.USAGE
     with _client(args) as client:

@@ -65,6 +65,7 @@ __all__ = [
     "list_models",
     "model_config",
     "num_params",
+    "resolve_factory",
 ]
 
 _DEFAULT_FLAVOR = "tiny"
@@ -135,7 +136,7 @@ def build_model(
             raise ValueError(
                 f"flavor {flavor!r} only applies to built-in models ({', '.join(list_models())}), not {name!r}"
             )
-        factory = _resolve_factory(name)
+        factory = resolve_factory(name)
         with _device_context(device):
             model = factory(**(overrides or {}))
         if not isinstance(model, nn.Module):
@@ -210,7 +211,9 @@ def _type_name(tp) -> str:
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
-def _resolve_factory(spec: str):
+def resolve_factory(spec: str):
+    """The callable a ``"package.module:factory"`` name points at (imported here); ``ValueError``
+    naming what is wrong with the name, the import or the attribute."""
     module_name, sep, attr_path = spec.partition(":")
     parts = attr_path.split(".")
     if (

@@ -99,14 +99,17 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
-    """fully_shard each block, then the root (embeddings, final norm, head). With
-    ``reshard_after_forward`` the last block still keeps its parameters after forward, as
-    torchtitan does: backward starts with it, so freeing them would only gather them again."""
+    """fully_shard each block (``model.layers``, where the model has them), then the root
+    (embeddings, final norm, head: everything not in a block). With ``reshard_after_forward`` the
+    last block still keeps its parameters after forward, as torchtitan does: backward starts with
+    it, so freeing them would only gather them again. A model without ``layers`` is one group:
+    correct, but its whole unsharded size is gathered at once."""
     p = spec.parallelism
     dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p.mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     offload = CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()
-    blocks = list(model.layers)
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers) if layers is not None else []
     for i, block in enumerate(blocks):
         reshard = p.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
@@ -143,10 +146,33 @@ def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
                 plain.append((module, name))
     dtensor_random.manual_seed(seed)
     with torch.no_grad():
-        model.init_weights()
+        if callable(getattr(model, "init_weights", None)):
+            model.init_weights()
+        else:
+            reset_parameters(model)
     for module, name in plain:
         param = module._parameters[name]
         module.register_parameter(name, nn.Parameter(param.detach().to_local(), requires_grad=param.requires_grad))
+
+
+def reset_parameters(model: nn.Module) -> None:
+    """Initialise a model that has no ``init_weights()`` the way torch's meta-device recipe for
+    fully_shard does: each submodule's own ``reset_parameters()`` (every torch layer has one).
+    A module holding parameters or buffers of its own without one would keep the uninitialised
+    memory ``to_empty`` gave it, so it is refused by name instead."""
+    for name, module in model.named_modules():
+        own = [*module._parameters.values(), *module._buffers.values()]
+        if not any(t is not None for t in own):
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            kinds = ", ".join(n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None)
+            raise TrainingError(
+                f"model has no init_weights(), and {name or 'the root module'} ({type(module).__name__}) holds "
+                f"{kinds} but has no reset_parameters(): the model is built on the meta device, so give the model an "
+                "init_weights() (or that module a reset_parameters()) that fills every parameter and buffer"
+            )
+        reset()
 
 
 def _file_key(path: str, tokenizer: str) -> str:

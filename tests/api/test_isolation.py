@@ -183,6 +183,7 @@ def test_the_operator_can_close_the_docs(tmp_path):
 def test_init_from_reads_only_the_owners_jobs_or_a_data_root(tmp_path):
     root = tmp_path / "models"
     (root / "llama-hf").mkdir(parents=True)
+    (root / "llama-hf" / "config.json").write_text("{}")
     with _client(tmp_path, data_roots=(root,)) as c:
         bobs = c.post("/v1/jobs", json=_spec(), headers=_auth(BOB)).json()
         theirs = f"{bobs['spec']['metrics']['dir']}/hf"
@@ -229,14 +230,15 @@ def test_a_tenant_cannot_raise_its_own_priority_above_what_the_operator_allows(t
     ],
 )
 def test_a_jobs_size_is_bounded_without_any_quotas_file(tmp_path, resources, field, fragment):
+    spec = _spec(resources=resources, data={"global_batch": resources["workers"]})  # a layout that divides
     with _client(tmp_path) as c:
-        _rejected(c, _spec(resources=resources), field, fragment)
-        _rejected(c, _spec(resources=resources), field, fragment, token=ADMIN)  # for every owner
+        _rejected(c, spec, field, fragment)
+        _rejected(c, spec, field, fragment, token=ADMIN)  # for every owner
 
 
 def test_the_operator_sets_a_jobs_size_limits(tmp_path):
     with _client(tmp_path, max_workers_per_job=4, min_cpus_per_worker=0.5) as c:
-        _rejected(c, _spec(resources={"workers": 5}), "resources.workers", "more than 4")
+        _rejected(c, _spec(resources={"workers": 5}, data={"global_batch": 5}), "resources.workers", "more than 4")
         _rejected(c, _spec(resources={"workers": 2, "cpus_per_worker": 0.25}), "resources.cpus_per_worker", "0.5")
         ok = c.post("/v1/jobs", json=_spec(resources={"workers": 4, "cpus_per_worker": 0.5}), headers=_auth(ALICE))
         assert ok.status_code == 201, ok.text

@@ -30,7 +30,7 @@ def _spec(tmp, name, steps, workers=2):
     return {
         "name": name,
         "model": {"name": "llama", "flavor": "tiny"},
-        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
+        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": max(8, workers)},
         "training": {"steps": steps},
         "optimizer": {"lr": 3.0e-3},
         "resources": {"workers": workers, "use_gpu": False},

@@ -64,6 +64,13 @@ def test_world_size_must_fit_parallelism():
         parse_job({"name": "a", "parallelism": {"dp_shard": 3}}).parallelism.resolve(4)
 
 
+def check_world(spec):
+    """What every launcher checks first (hpservice.preflight.check_layout), raised."""
+    from hpservice.preflight import check_layout, raise_if
+
+    raise_if(check_layout(spec), "job")
+
+
 def test_overrides():
     data = apply_overrides({"name": "a"}, ["training.steps=5", "optimizer.lr=1e-3", "model.overrides.dim=32"])
     spec = parse_job(data)
@@ -73,7 +80,11 @@ def test_overrides():
 
 
 def test_cli_validate_and_schema(tmp_path, capsys):
-    assert main(["validate", str(EXAMPLES[0])]) == 0
+    tiny = EXAMPLES[0].with_name("tiny-cpu.yaml")
+    assert main(["validate", str(tiny)]) == 0
+    # the fine-tuning example reads files its script prepares first: validate says which are missing
+    assert main(["validate", str(EXAMPLES[0].with_name("finetune-cpu.yaml"))]) == 2
+    assert "data.path: runs/finetune-example/train.bin: no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: a\ntraining: {steps: -1}\n")
     assert main(["validate", str(bad)]) == 2  # a spec error is a usage error, as for run and submit
@@ -99,12 +110,10 @@ def test_misspellings_get_the_allowed_values_and_a_suggestion(data, path, messag
 
 
 def test_a_model_name_this_machine_cannot_resolve_is_refused_for_local_runs(tmp_path, capsys):
-    from hpservice.spec import check_local_model
+    from hpservice.preflight import check_model
 
     spec = parse_job({"name": "a", "model": {"name": "lama"}})  # a server might know it: the spec parses
-    with pytest.raises(SpecError) as e:
-        check_local_model(spec)
-    assert e.value.errors == [("model.name", "'lama' is neither a built-in model (llama, mlp) nor "
+    assert check_model(spec) == [("model.name", "'lama' is neither a built-in model (llama, mlp) nor "
                                              "'package.module:factory' (did you mean 'llama'?)")]  # fmt: skip
     job = tmp_path / "job.yaml"
     job.write_text("name: a\nmodel: {name: lama}\n")
@@ -116,8 +125,6 @@ def test_a_model_name_this_machine_cannot_resolve_is_refused_for_local_runs(tmp_
     [({"tp": 3}, 2, "not divisible by dp_replicate x tp = 3"), ({"dp_shard": 3}, 2, "dp_shard 3 x tp 1 != world size 2")],
 )
 def test_a_layout_that_cannot_fill_the_workers_is_refused_before_anything_starts(tmp_path, capsys, parallelism, workers, fragment):
-    from hpservice.spec import check_world
-
     spec = parse_job({"name": "a", "parallelism": parallelism, "resources": {"workers": workers}})
     with pytest.raises(SpecError) as e:
         check_world(spec)
@@ -210,8 +217,6 @@ def test_an_elastic_job_resizes_with_the_same_global_batch_and_shard_groups():
 
 
 def test_min_workers_is_checked_before_anything_starts():
-    from hpservice.spec import check_world
-
     with pytest.raises(SpecError, match=r"resources\.min_workers 5 is more than resources\.workers 4"):
         parse_job({"name": "e", "resources": {"workers": 4, "min_workers": 5}})
     spec = parse_job({"name": "e", "resources": {"workers": 8, "min_workers": 3}})
@@ -222,6 +227,6 @@ def test_min_workers_is_checked_before_anything_starts():
     check_world(parse_job({"name": "e", "resources": {"workers": 8, "min_workers": 4}}))
     # bounded work: checking the elastic sizes of the largest allowed job is a fraction of a second,
     # and a larger one is refused (the fuzzer found a submit that checked a billion sizes)
-    check_world(parse_job({"name": "e", "resources": {"workers": 100_000, "min_workers": 1}}))
+    check_world(parse_job({"name": "e", "resources": {"workers": 100_000, "min_workers": 1}, "data": {"global_batch": 100_000}}))
     with pytest.raises(SpecError, match="less than or equal to 100000"):
         parse_job({"name": "e", "resources": {"workers": 10**9, "min_workers": 1}})

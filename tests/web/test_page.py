@@ -375,7 +375,7 @@ def test_page_shows_a_live_job(browser):
         points = lambda d: int(css(d, LOSS).get_attribute("data-points"))  # noqa: E731
         for n in range(1, 6):
             fake.metrics_gate = n
-            wait(browser, lambda d: points(d) == n)
+            wait(browser, lambda d, n=n: points(d) == n)
             assert fake.job["state"] == "RUNNING"
         fake.metrics_gate = None
 

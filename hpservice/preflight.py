@@ -1,0 +1,168 @@
+"""Everything about a job that can be known before anything starts, checked in one place.
+
+A spec that parses can still be one that can only fail: a layout the workers cannot hold, a
+global batch the data-parallel ranks cannot split, a model factory that does not import, a data
+file that is not there, a GPU job on a machine without one. Each of these used to cost a
+placement, a rendezvous and minutes of retries before the job failed. The checks here run where
+the job is handed over, and each names the field, the value and what would work:
+
+- ``check_layout``: the parallelism divides ``resources.workers`` (and each elastic size), the
+  global batch divides over the data-parallel ranks and gradient accumulation. Knowable anywhere:
+  ``validate``, ``run``, ``submit`` and the API all run it.
+- ``check_model``: a ``package.module:factory`` imports here and builds on the meta device
+  (nothing is allocated). For a job run on this machine (``validate``, ``run``); the service has
+  its operator's allowlist instead (``api/policy.py``), and the server checks at startup that every
+  allowed factory imports (``check_factories_import``).
+- ``check_inputs``: the files a job reads exist (data, tokenizer, ``model.init_from``,
+  ``checkpoint.resume_from``). ``run`` and ``validate`` check them on this machine; the API checks
+  the ones under a data root it can see itself (a root it cannot see is the workers' business).
+- ``check_devices``: ``resources.use_gpu: true`` on a machine with no CUDA device, for a job whose
+  workers run here.
+
+``preflight(spec, ...)`` runs the ones that apply and raises one ``SpecError`` listing them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from hpservice.spec import JobSpec, SpecError, did_you_mean
+
+Errors = list[tuple[str, str]]
+
+
+def raise_if(errors: Errors, source: str) -> None:
+    """One ``SpecError`` naming every (field, message) in ``errors``; nothing when empty."""
+    if errors:
+        lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
+        raise SpecError(f"{source}: invalid job spec\n{lines}", errors)
+
+
+def check_layout(spec: JobSpec) -> Errors:
+    """The parallelism divides the workers, ``min_workers`` is a size the job can shrink to, and
+    the global batches split evenly over the data-parallel ranks (and training's micro-batches)."""
+    errors: Errors = []
+    workers = spec.resources.workers
+    try:
+        replicate, shard = spec.parallelism.resolve(workers)
+    except SpecError as e:
+        message = f"{str(e).removeprefix('parallelism: ')} (resources.workers is {workers})"
+        return [("parallelism", message)]
+    low = spec.resources.min_workers
+    if low is not None and low < workers and low not in spec.elastic_sizes():
+        try:
+            spec.resized(low)
+            message = f"{low} workers cannot run this job's layout"
+        except SpecError as e:
+            message = str(e)
+        sizes = spec.elastic_sizes()
+        if sizes:
+            message += f" (sizes it can shrink to: {', '.join(map(str, sizes))})"
+        errors.append(("resources.min_workers", message))
+    dp, accum = replicate * shard, spec.training.grad_accum
+    batch = spec.data.global_batch
+    if batch % (dp * accum):
+        fits = dp * accum
+        errors.append((
+            "data.global_batch",
+            f"{batch} does not split over {dp} data-parallel ranks x grad_accum {accum}: it must be a multiple of "
+            f"{fits} (e.g. {max(fits, batch // fits * fits)} or {(batch // fits + 1) * fits})",
+        ))  # fmt: skip
+    if spec.eval.interval and spec.eval.data is not None and spec.eval.data.global_batch % dp:
+        e = spec.eval.data.global_batch
+        errors.append(("eval.data.global_batch", f"{e} does not split over {dp} data-parallel ranks: use a multiple of {dp}"))
+    return errors
+
+
+def check_model(spec: JobSpec) -> Errors:
+    """The model resolves on this machine: a built-in, or a factory that imports and builds on the
+    meta device with the job's ``overrides`` (a wrong keyword, a missing package: here, not on a
+    worker two minutes later)."""
+    from hpservice.models import build_model, list_models
+
+    builtins = list_models()
+    name = spec.model.name
+    if name in builtins:
+        return []
+    if ":" not in name:
+        message = f"{name!r} is neither a built-in model ({', '.join(builtins)}) nor 'package.module:factory'"
+        return [("model.name", message + did_you_mean(name, builtins))]
+    try:
+        build_model(name, None, spec.model.overrides, device="meta")
+    except ValueError as e:  # cannot import, no such attribute, not callable
+        return [("model.name", str(e))]
+    except Exception as e:  # the factory itself failed: a wrong keyword argument, its own checks
+        return [("model.overrides", f"{name}(**overrides) failed on the meta device: {type(e).__name__}: {e}")]
+    return []
+
+
+def check_factories_import(factories) -> Errors:
+    """Every ``module:factory`` an operator allows imports on this machine (``hpservice serve
+    --allow-model``): a typo or a package missing from the server's environment is refused at
+    startup rather than failing every job that names it."""
+    from hpservice.models import resolve_factory
+
+    errors: Errors = []
+    for name in factories:
+        try:
+            resolve_factory(name)
+        except ValueError as e:
+            errors.append(("--allow-model", str(e)))
+    return errors
+
+
+def input_files(spec: JobSpec) -> list[tuple[str, str, str]]:
+    """(field, path, kind) of every file or directory the job reads, kind ``file`` or ``dir``."""
+    found = []
+    for prefix, data in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
+        if data is None:
+            continue
+        if data.path is not None and data.kind != "synthetic":
+            found.append((f"{prefix}.path", data.path, "file"))
+        if data.tokenizer is not None:
+            found.append((f"{prefix}.tokenizer", data.tokenizer, "file"))
+    if spec.model.init_from is not None:
+        found.append(("model.init_from", spec.model.init_from, "dir"))
+    resume = spec.checkpoint.resume_from
+    if resume not in (None, "latest") and "://" not in resume:
+        found.append(("checkpoint.resume_from", resume, "dir"))
+    return found
+
+
+def check_inputs(spec: JobSpec, visible: Callable[[Path], bool] = lambda p: True) -> Errors:
+    """The job's input files exist, for each one ``visible`` says this machine can judge."""
+    errors: Errors = []
+    for field, raw, kind in input_files(spec):
+        path = Path(raw).expanduser()
+        if not visible(path):
+            continue
+        if kind == "file" and not path.is_file():
+            errors.append((field, f"{raw}: no such file" if not path.exists() else f"{raw}: not a file"))
+        elif kind == "dir" and not path.is_dir():
+            what = "checkpoint directory" if field == "checkpoint.resume_from" else "Hugging Face checkpoint directory"
+            errors.append((field, f"{raw}: no such {what}" if not path.exists() else f"{raw}: not a directory"))
+        elif field == "model.init_from" and not (path / "config.json").is_file():
+            errors.append((field, f"{raw}: no config.json (a Hugging Face checkpoint directory has one)"))
+    return errors
+
+
+def check_devices(spec: JobSpec) -> Errors:
+    """A job that must have a GPU, for workers that run on this machine."""
+    import torch
+
+    if spec.resources.use_gpu is True and not torch.cuda.is_available():
+        return [("resources.use_gpu", "true, but this machine has no CUDA device: use auto or false")]
+    return []
+
+
+def preflight(spec: JobSpec, *, source: str = "job", here: bool = True, devices_here: bool | None = None) -> None:
+    """Raise ``SpecError`` listing everything that would make ``spec`` fail before it starts.
+    ``here``: the job runs on this machine (its model and files are this machine's);
+    ``devices_here``: its workers use this machine's devices (default ``here``)."""
+    errors = check_layout(spec)
+    if here:
+        errors += check_model(spec) + check_inputs(spec)
+    if here if devices_here is None else devices_here:
+        errors += check_devices(spec)
+    raise_if(errors, source)
