@@ -40,9 +40,9 @@ __all__ = [
 ]
 
 
-def connect_ray(address: str):
+def connect_ray(address: str, runtime_env: dict | None = None):
     """Join the Ray cluster at ``address``."""
-    return ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    return ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, runtime_env=runtime_env)
 
 
 def init_local_ray(*, num_cpus: int | None = None, dashboard: bool = True, **kwargs):
@@ -67,14 +67,16 @@ def init_local_ray(*, num_cpus: int | None = None, dashboard: bool = True, **kwa
     )
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None) -> str | None:
+def connect(address: str | None = None, *, num_cpus: int | None = None, runtime_env: dict | None = None) -> str | None:
     """The one way this project joins Ray: ``address`` (else ``RAY_ADDRESS``), or else a new
     embedded local Ray with ``num_cpus`` CPUs (default: the machine's cores) and its dashboard on
-    loopback. Returns the dashboard URL when it is known; None if this process was connected."""
+    loopback. ``runtime_env``: this driver's jobs' code (``JobSpec.runtime``; Ray uploads local
+    directories only at this level, and every actor the driver starts, detached ones too, gets it).
+    Returns the dashboard URL when it is known; None if this process was connected."""
     if ray.is_initialized():
         return None
     address = address or os.environ.get("RAY_ADDRESS")
-    ctx = connect_ray(address) if address else init_local_ray(num_cpus=num_cpus)
+    ctx = connect_ray(address, runtime_env) if address else init_local_ray(num_cpus=num_cpus, runtime_env=runtime_env)
     url = getattr(ctx, "dashboard_url", None)
     return f"http://{url}" if url and not url.startswith("http") else url
 

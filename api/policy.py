@@ -8,6 +8,8 @@ answers with 422. The rules:
   factories come from ``Settings.model_factories`` (``--allow-model module:factory``) or from the
   ``hpservice.models`` entry points of installed packages, by entry-point name or by value.
   ``hpservice run`` and torchrun on one's own machine skip this check and import any factory.
+  ``runtime.py_modules`` / ``working_dir`` (code shipped with the job) are refused: a job runs the
+  code installed in the server's image.
 - **Outputs.** Every job writes under its own directory, ``<jobs-dir>/<owner>/<job-id>/``
   (``--jobs-dir``, default ``<data-dir>/jobs``).
   Relative ``metrics.dir`` / ``checkpoint.dir`` resolve there; absolute paths must stay inside it
@@ -88,6 +90,10 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
         # a tenant's own priority would let it preempt everyone else's jobs
         errors.append(("scheduling.priority", f"{priority} is above {limit}, the highest the operator allows owner "
                        f"{principal.owner} (their quotas file's priority)"))  # fmt: skip
+    for field in ("py_modules", "working_dir"):
+        if getattr(spec.runtime, field):  # code from the server's disk into every worker: the operator's image only
+            errors.append((f"runtime.{field}", "not allowed on this server: a job runs the models installed in the "
+                           "server's image (the operator allows factories with --allow-model or hpservice.models entry points)"))  # fmt: skip
     if spec.metrics.wandb is not None and spec.metrics.wandb.mode != "offline":
         errors.append(("metrics.wandb.mode", "only 'offline' on this server: jobs write their W&B runs in their own directory"))
     if spec.metrics.mlflow is not None and spec.metrics.mlflow.tracking_uri is not None:

@@ -24,6 +24,9 @@ the job is handed over, and each names the field, the value and what would work:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,13 +91,29 @@ def check_model(spec: JobSpec) -> Errors:
     if ":" not in name:
         message = f"{name!r} is neither a built-in model ({', '.join(builtins)}) nor 'package.module:factory'"
         return [("model.name", message + did_you_mean(name, builtins))]
+    missing = [m for m in spec.runtime.py_modules if not os.path.exists(os.path.expanduser(m))]
+    if missing:
+        return [("runtime.py_modules", f"{m}: no such file or directory") for m in missing]
     try:
-        build_model(name, None, spec.model.overrides, device="meta")
+        with _importable(spec.runtime.import_paths()):
+            build_model(name, None, spec.model.overrides, device="meta")
     except ValueError as e:  # cannot import, no such attribute, not callable
         return [("model.name", str(e))]
     except Exception as e:  # the factory itself failed: a wrong keyword argument, its own checks
         return [("model.overrides", f"{name}(**overrides) failed on the meta device: {type(e).__name__}: {e}")]
     return []
+
+
+@contextlib.contextmanager
+def _importable(paths: list[str]):
+    """``runtime.py_modules`` and ``working_dir`` on this process's import path for the check, as
+    Ray puts them on each worker's (and gone again afterwards)."""
+    before = list(sys.path)
+    sys.path[:0] = paths
+    try:
+        yield
+    finally:
+        sys.path[:] = before
 
 
 def check_factories_import(factories) -> Errors:

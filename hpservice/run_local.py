@@ -22,7 +22,7 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
     console = console or Console()
     # A laptop job may ask for more CPU slots than cores: workers then share them.
     needed = math.ceil(spec.resources.workers * spec.resources.cpus_per_worker)
-    connect(address, num_cpus=max(os.cpu_count() or 1, needed))
+    connect(address, num_cpus=max(os.cpu_count() or 1, needed), runtime_env=spec.runtime.runtime_env())
     handle = start_job(spec)
     console.print(f"job [bold]{handle.job_id}[/]: {spec.resources.workers} workers, {spec.training.steps} steps")
     cursor, last, interrupts = 0, None, 0

@@ -427,6 +427,39 @@ class EvalSpec(_Section):
         return self
 
 
+class RuntimeSpec(_Section):
+    """Code a job's workers import that is not installed where they run: Ray ships it with the job
+    (its ``runtime_env``). For ``hpservice run``; a service installs its models in its image instead
+    (``hpservice.models`` entry points), and refuses this section."""
+
+    py_modules: list[Annotated[str, Field(max_length=_MAX_PATH)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="local package directories (or .py / .whl files) every worker can import, e.g. ['./mymodels'] for "
+        "model.name 'mymodels:build'; relative to where the job is started (Ray runtime_env py_modules)",
+    )
+    working_dir: str | None = Field(
+        None,
+        max_length=_MAX_PATH,
+        description="a local directory every worker starts in and imports from (Ray runtime_env working_dir)",
+    )
+
+    def runtime_env(self) -> dict | None:
+        """Ray's ``runtime_env`` for the driver that starts the job (``hpservice run`` passes it to
+        ``ray.init``, so the coordinator and every worker get it); None when empty."""
+        env = {}
+        if self.py_modules:
+            env["py_modules"] = [os.path.abspath(os.path.expanduser(m)) for m in self.py_modules]
+        if self.working_dir is not None:
+            env["working_dir"] = os.path.abspath(os.path.expanduser(self.working_dir))
+        return env or None
+
+    def import_paths(self) -> list[str]:
+        """Where this machine finds the same code: each module's parent directory, the working dir."""
+        env = self.runtime_env() or {}
+        return [os.path.dirname(m) for m in env.get("py_modules", [])] + ([env["working_dir"]] if "working_dir" in env else [])
+
+
 class JobSpec(_Section):
     name: str = Field(..., pattern=NAME_PATTERN, description="job name")
     run_id: str | None = Field(
@@ -453,6 +486,7 @@ class JobSpec(_Section):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
 
     def with_run(self, run_id: str | None = None) -> JobSpec:
         """This spec with its run decided: ``run_id`` (default: the spec's own, else a new one) and

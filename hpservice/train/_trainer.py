@@ -165,6 +165,8 @@ def reset_parameters(model: nn.Module) -> None:
         if not any(t is not None for t in own):
             continue
         reset = getattr(module, "reset_parameters", None)
+        if not callable(reset) and isinstance(module, nn.MultiheadAttention):
+            reset = module._reset_parameters  # torch's own layer, which names it privately
         if not callable(reset):
             kinds = ", ".join(n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None)
             raise TrainingError(

@@ -172,3 +172,37 @@ def test_validate_builds_the_users_factory_and_names_what_fails(tmp_path):
     assert wrong.returncode == 2
     assert "model.overrides: mymodels:build(**overrides) failed on the meta device: TypeError" in wrong.stderr
     assert "unexpected keyword argument 'depth'" in wrong.stderr
+
+
+def _docs_example() -> tuple[str, str]:
+    """The Python and YAML blocks of docs/models-and-data.md's "Bring your own model"."""
+    text = (ROOT / "docs" / "models-and-data.md").read_text()
+    section = text[text.index("## Bring your own model") :]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    job = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    return code, job
+
+
+def _docs_example_losses(spec):
+    return [r["loss"] for r in Trainer(spec, log_to_stdout=False).train()]
+
+
+def test_the_docs_own_model_example_trains_as_written(tmp_path, monkeypatch):
+    from hpservice.spec import yaml_load
+
+    code, job = _docs_example()
+    (tmp_path / "mymodels").mkdir()
+    (tmp_path / "mymodels" / "__init__.py").write_text(code)
+    data = yaml_load(job)
+    assert data["model"]["name"] == "mymodels:build" and data["runtime"] == {"py_modules": ["./mymodels"]}
+    monkeypatch.chdir(tmp_path)
+    data["model"]["overrides"] = {"dim": 16, "n_layers": 2, "vocab": 64}  # the docs' model, smaller
+    data["data"] = {"vocab_size": 64, "seq_len": 16, "global_batch": 4}
+    spec = parse_job({**data, "training": {"steps": 3}, "metrics": {"dir": str(tmp_path)}})
+    preflight(spec)  # imports mymodels through runtime.py_modules, builds it on meta
+    monkeypatch.syspath_prepend(str(tmp_path))  # what Ray's py_modules does on each worker
+    try:
+        losses = _docs_example_losses(spec)  # in this process: one rank
+    finally:
+        sys.modules.pop("mymodels", None)
+    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
