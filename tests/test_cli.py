@@ -28,3 +28,16 @@ def test_version(capsys):
 def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "hpservice", "version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == __version__
+
+
+def test_every_subcommand_explains_itself_and_each_argument():
+    """``hpservice X -h`` says what X does and what each argument is, for every X."""
+    import argparse
+
+    from hpservice.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        assert command.description, f"hpservice {name} -h has no description"
+        unexplained = [a.dest for a in command._actions if not a.help]
+        assert not unexplained, f"hpservice {name}: arguments without help: {unexplained}"

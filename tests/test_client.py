@@ -572,6 +572,8 @@ def test_cli_cancel_checkpoints_delete(fake, capsys):
     svc, _, opts = fake
     assert cli.main(["cancel", "ok-1", *opts]) == 0
     assert "cancel requested for job ok-1 (CANCELLING)" in capsys.readouterr().out
+    assert cli.main(["cancel", "done-1", *opts]) == 0  # not an error, and not "cancel requested" either
+    assert capsys.readouterr().out.strip() == "job done-1 had already ended (SUCCEEDED): nothing to cancel"
     assert cli.main(["checkpoints", "done-1", *opts]) == 0
     out = capsys.readouterr().out
     assert "/ckpt/done/step-3" in out and "loss=1.75" in out
@@ -602,6 +604,8 @@ def test_cli_artifacts_list_and_download(fake, tmp_path, capsys):
     assert cli.main(["artifacts", "done-1", "--download", "nope.json", "-o", str(tmp_path), *opts]) == 3
     assert "no artifact 'nope.json'" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.part"))
+    assert cli.main(["artifacts", "ok-1", *opts]) == 0
+    assert capsys.readouterr().out.strip() == "job ok-1 has no artifacts (a job with metrics.profile writes its traces there)"
 
 
 def test_cli_exit_codes_for_errors(fake, capsys):

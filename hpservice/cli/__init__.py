@@ -19,7 +19,9 @@ from hpservice.jobs import EXIT_CODES_HELP
 from . import local, server, service
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line. Each subcommand's ``-h`` opens with its one-line help (its
+    ``description``, unless it has a longer one) and explains every argument."""
     from hpservice import __version__
 
     parser = argparse.ArgumentParser(
@@ -33,7 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     local.add_parsers(sub)
     server.add_parsers(sub)
     service.add_parsers(sub)
-    args = parser.parse_args(argv)
+    for choice in sub._choices_actions:  # argparse keeps each subcommand's help only for the listing
+        command = sub.choices[choice.dest]
+        if command.description is None:
+            command.description = choice.help[:1].upper() + choice.help[1:] + "."
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.run(args))
 
 

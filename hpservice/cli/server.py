@@ -6,7 +6,7 @@ from __future__ import annotations
 def add_parsers(sub) -> None:
     serve = sub.add_parser("serve", help="run the REST control plane (FastAPI) with a local Ray or --ray-address")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs API tokens)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     serve.add_argument("--data-dir", default=None, help="store directory (default HPSERVICE_DATA_DIR or ~/.hpservice)")
     serve.add_argument(
         "--ray-address", default=None, help="Ray cluster (default RAY_ADDRESS, else an embedded local Ray)"

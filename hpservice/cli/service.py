@@ -44,7 +44,7 @@ def add_parsers(sub) -> None:
         )
 
     p = add("submit", "validate a job file locally, then submit it to the service")
-    p.add_argument("job")
+    p.add_argument("job", help="the job's YAML file (docs/jobspec.md)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
     p.add_argument("--watch", action="store_true", help="follow the job to its end, like `watch`")
     p.add_argument(
@@ -57,30 +57,30 @@ def add_parsers(sub) -> None:
     p.add_argument("--limit", type=int, default=50, help="page size (default 50)")
     p.add_argument("--cursor", default=None, help="the next_cursor of a previous page")
     p = add("status", "show one job: state, progress, restarts, checkpoints, history")
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     p = add(
         "watch",
         "follow a job with a live progress bar until it ends (--json: one JSON event per line, "
         'then {"event": "job", "data": <final job>})',
     )
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     p = add("logs", "print a job's log lines")
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
     p.add_argument("--rank", type=int, default=None, help="only this rank's lines")
     p.add_argument("--tail", type=int, default=None, help="the last N lines (server default: 100)")
     p = add("cancel", "cancel a job gracefully (finish the step, checkpoint, stop)")
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     p = add("checkpoints", "list a job's committed checkpoints")
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     p = add("artifacts", "list a job's artifacts (profiler traces, memory snapshots), or download them")
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     p.add_argument("--download", action="append", default=[], metavar="NAME", help="download this artifact ('all': every one)")
     p.add_argument("-o", "--out", default=".", help="folder to download into (default: the current one)")
     p = add("resubmit", "submit a new job from a job's spec as it was submitted")
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     p = add("delete", "delete an ended job and its stored metrics and events")
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id (hpservice list shows them)")
     handlers = {
         "submit": _cmd_submit, "list": _cmd_list, "status": _cmd_status, "watch": _cmd_watch, "logs": _cmd_logs,
         "cancel": _cmd_cancel, "checkpoints": _cmd_checkpoints, "artifacts": _cmd_artifacts, "delete": _cmd_delete,
@@ -237,9 +237,12 @@ def _cmd_status(args) -> int:
 
 def _cmd_cancel(args) -> int:
     with _client(args) as client:
+        before = client.get(args.id)["state"]
         job = client.cancel(args.id)
     if args.json:
         _print_json(job)
+    elif before in TERMINAL_STATES:  # cancelling an ended job changes nothing: say so
+        print(f"job {job.get('id', args.id)} had already ended ({before}): nothing to cancel")
     else:
         print(f"cancel requested for job {job.get('id', args.id)} ({job.get('state')})")
     return ExitCode.OK
@@ -479,6 +482,8 @@ def _cmd_artifacts(args) -> int:
                 print(json.dumps(found))
             for a in [] if args.json else found:
                 print(f"{a['name']}  {a['size']:,} bytes")
+            if not found and not args.json:
+                print(f"job {args.id} has no artifacts (a job with metrics.profile writes its traces there)")
             return ExitCode.OK
         names = [a["name"] for a in found] if "all" in args.download else args.download
         out = Path(args.out)
