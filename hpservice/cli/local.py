@@ -41,8 +41,8 @@ def add_parsers(sub) -> None:
     prep.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers tokenizer.json")
     prep.add_argument("--out", required=True, help="the token file to write (*.u32.bin for vocabularies > 65536)")
     prep.add_argument("--field", default="text", help="the JSONL field holding the document (default text)")
-    prep.add_argument("--val-fraction", type=float, default=0.0, help="share of documents for <out>-val.bin")
-    prep.add_argument("--eos-token", default=None, help="the separator between documents (default: the tokenizer's)")
+    prep.add_argument("--val-fraction", type=float, default=0.0, help="share of documents for the validation file: train.bin -> train-val.bin, train.u32.bin -> train-val.u32.bin")
+    prep.add_argument("--eos-token", default=None, help="the token after each document (default: the tokenizer's end of text)")
     prep.add_argument(
         "--train-tokenizer",
         action="store_true",

@@ -13,11 +13,21 @@ run continues the exact sequence: the step number is the whole data-loader state
 from ._base import TokenSource, local_batch_size
 from ._build import SOURCE_KINDS, build_source
 from ._files import TextFile, TokenFile, resolve_token_dtype, write_token_file
-from ._prepare import DataPrepError, prepare_data, read_metadata, train_tokenizer
+from ._prepare import (
+    EOS_CANDIDATES,
+    DataPrepError,
+    prepare_data,
+    read_metadata,
+    token_file_suffix,
+    tokenizer_vocab_size,
+    train_tokenizer,
+    val_path,
+)
 from ._synthetic import SyntheticTokens
 from ._tokenizer import ByteTokenizer
 
 __all__ = [
+    "EOS_CANDIDATES",
     "SOURCE_KINDS",
     "ByteTokenizer",
     "DataPrepError",
@@ -30,6 +40,9 @@ __all__ = [
     "prepare_data",
     "read_metadata",
     "resolve_token_dtype",
+    "token_file_suffix",
+    "tokenizer_vocab_size",
     "train_tokenizer",
+    "val_path",
     "write_token_file",
 ]

@@ -3,14 +3,17 @@
 - Inputs: ``*.jsonl`` (one JSON object per line, the document in ``field``, default ``text``),
   ``*.parquet`` (the string column ``field``, read in record batches with pyarrow), or any other
   file as one UTF-8 document. Documents are tokenized with a ``tokenizers``
-  ``tokenizer.json`` (its Rust ``encode_batch`` runs on all cores) and joined with the
-  tokenizer's end-of-text token between documents.
+  ``tokenizer.json`` (its Rust ``encode_batch`` runs on all cores) with the tokenizer's own
+  special tokens (Llama 3's ``<|begin_of_text|>`` before each document; none for GPT-2 or Qwen),
+  and the end-of-text token after each document (once: a tokenizer that adds it already keeps it).
 - Output: a token file in the format ``TokenFile`` reads (uint16 for vocabularies up to 65536,
   else uint32, which needs a ``*.u32.bin`` name), written next to its name and renamed, plus
   ``<out>.json``: tokenizer SHA-256, vocab size, dtype, documents, tokens, EOS id. The trainer
   checks that metadata against the model's vocabulary before any step.
 - ``val_fraction``: that share of the documents (every k-th one, so the split does not depend on
-  file order within a document) goes to ``<out stem>-val`` instead.
+  file order within a document) goes to ``val_path(out)`` instead (``train.bin`` ->
+  ``train-val.bin``, ``train.u32.bin`` -> ``train-val.u32.bin``); a split that would get no
+  document is refused.
 - ``train_tokenizer``: a byte-level BPE tokenizer of ``vocab_size`` trained on the inputs, for
   users who have none (saved to the tokenizer path).
 """
@@ -28,10 +31,45 @@ from hpservice.inputs import InputError, open_input
 
 from ._files import write_token_file
 
-__all__ = ["DataPrepError", "metadata_path", "prepare_data", "read_metadata", "train_tokenizer"]
+__all__ = [
+    "EOS_CANDIDATES",
+    "DataPrepError",
+    "metadata_path",
+    "prepare_data",
+    "read_metadata",
+    "token_file_suffix",
+    "tokenizer_vocab_size",
+    "train_tokenizer",
+    "val_path",
+]
 
 FORMAT = 1
-_EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+# A document's end in the common tokenizers: GPT-2 / Qwen, Llama 3 (base), Llama 2 / Mistral,
+# Gemma, Llama 3 (instruct turns), Qwen chat turns. The first one a tokenizer has ends documents.
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+U16_VOCAB = 1 << 16  # the largest vocabulary a uint16 token file holds
+
+
+def token_file_suffix(vocab_size: int) -> str:
+    """The token file name ending a vocabulary needs: ``.bin`` (uint16) or ``.u32.bin``."""
+    return ".bin" if vocab_size <= U16_VOCAB else ".u32.bin"
+
+
+def val_path(out: str | Path) -> Path:
+    """The validation split written next to ``out``: its stem + ``-val``, same dtype suffix."""
+    out = Path(out)
+    for suffix in (".u32.bin", ".bin"):
+        if out.name.endswith(suffix):
+            return out.with_name(out.name[: -len(suffix)] + "-val" + suffix)
+    return out.with_name(out.name + "-val")
+
+
+def tokenizer_vocab_size(tokenizer: str | Path) -> int:
+    """The vocabulary of a ``tokenizer.json`` (added tokens included), read confined."""
+    from tokenizers import Tokenizer
+
+    with open_input(tokenizer) as f:
+        return Tokenizer.from_str(f.read().decode("utf-8")).get_vocab_size(with_added_tokens=True)
 
 
 class DataPrepError(ValueError):
@@ -149,12 +187,12 @@ def prepare_data(
     except Exception as e:  # tokenizers raises its own exception type for unreadable files
         raise DataPrepError(f"{tokenizer}: cannot load a tokenizers tokenizer.json ({e})") from None
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    eos = eos_token or next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+    eos = eos_token or next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
     if eos is None or tok.token_to_id(eos) is None:
-        raise DataPrepError(f"{tokenizer}: no end-of-text token found ({', '.join(_EOS_CANDIDATES)}); pass --eos-token")
+        raise DataPrepError(f"{tokenizer}: no end-of-text token found ({', '.join(EOS_CANDIDATES)}); pass --eos-token")
     eos_id = tok.token_to_id(eos)
     out = Path(out)
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    dtype = np.uint16 if vocab <= U16_VOCAB else np.uint32
     if dtype is np.uint32 and not out.name.endswith(".u32.bin"):
         raise DataPrepError(f"{out}: a vocabulary of {vocab} needs uint32 tokens: name the file *.u32.bin")
     if not 0.0 <= val_fraction < 1.0:
@@ -169,9 +207,10 @@ def prepare_data(
         batch = [d for _, d in zip(range(batch_size), docs, strict=False)]
         if not batch:
             break
-        for enc in tok.encode_batch(batch, add_special_tokens=False):
+        for enc in tok.encode_batch(batch, add_special_tokens=True):  # BOS where the tokenizer adds one
             split = "val" if every and index % every == every - 1 else "train"
-            splits[split].append(np.asarray(enc.ids + [eos_id], dtype=np.int64))
+            ids = enc.ids if enc.ids[-1:] == [eos_id] else [*enc.ids, eos_id]
+            splits[split].append(np.asarray(ids, dtype=np.int64))
             counts[split] += 1
             index += 1
         if bar is not None:
@@ -180,19 +219,25 @@ def prepare_data(
         bar.close()
     if not counts["train"]:
         raise DataPrepError(f"no documents in {', '.join(map(str, inputs))}")
+    if every and not counts["val"]:
+        raise DataPrepError(
+            f"--val-fraction {val_fraction:g} takes every {every}th document, and there are {counts['train']}: the "
+            f"validation split would be empty; give at least {every} documents (a JSONL file holds one per line; "
+            "any other file is one document) or a larger fraction"
+        )
     sha = hashlib.sha256(tokenizer_bytes).hexdigest()
     written = {}
     for split, arrays in splits.items():
         if split == "val" and not every:
             continue
-        path = out if split == "train" else out.with_name(out.name.replace(".bin", "-val.bin", 1))
+        path = out if split == "train" else val_path(out)
         tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_token_file(path, tokens, dtype)
         meta = {
             "format": FORMAT, "tokenizer": str(tokenizer), "tokenizer_sha256": sha, "vocab_size": vocab,
             "dtype": np.dtype(dtype).name, "documents": counts[split], "tokens": int(tokens.size), "eos_id": eos_id,
-            "split": split,
+            "split": split, "added_special_ids": tok.encode("", add_special_tokens=True).ids,
         }  # fmt: skip
         metadata_path(path).write_text(json.dumps(meta, indent=2))
         written[split] = {"path": str(path), **meta}

@@ -413,12 +413,16 @@ class Trainer:
         into a token file in the run's directory (``prepare-data``'s format; reused by restarts
         of the run) while the others wait, then every rank reads that file."""
         if d.kind == "text" and d.tokenizer is not None:
-            from hpservice.data import prepare_data
+            from hpservice.data import prepare_data, token_file_suffix, tokenizer_vocab_size
 
             for what, path in (("data.path", d.path), ("data.tokenizer", d.tokenizer)):
                 if not Path(path).is_file():  # every rank sees it: they all stop with this reason
                     raise TrainingError(f"{what}: {path}: no such file")
-            cache = run_dir / "data" / f"{Path(d.path).name}.{_file_key(d.path, d.tokenizer)}.bin"
+            try:  # every rank reads it: they all stop with the same reason
+                suffix = token_file_suffix(tokenizer_vocab_size(d.tokenizer))  # uint32 files past 65,536 tokens
+            except Exception as e:  # tokenizers raises its own exception type
+                raise TrainingError(f"data.tokenizer: {d.tokenizer}: cannot load a tokenizers tokenizer.json ({e})") from e
+            cache = run_dir / "data" / f"{Path(d.path).name}.{_file_key(d.path, d.tokenizer)}{suffix}"
             failure = [None]  # rank 0's error, if any, so every rank stops with it (no rank waits forever)
             if self.rank == 0 and not cache.exists():
                 try:

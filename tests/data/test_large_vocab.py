@@ -1,0 +1,95 @@
+"""Vocabularies over 65,536 tokens (every Llama 3, Qwen and Mistral tokenizer), end to end:
+prepare-data's uint32 files and their validation split, Llama 3's BOS/EOS conventions, and a
+``data.kind: text`` job that tokenizes with such a tokenizer. The tokenizer is built offline
+here: a word-level vocabulary of 70,000 words plus Llama 3's special tokens."""
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from hpservice.cli import main
+from hpservice.data import TokenFile, read_metadata, val_path
+
+WORDS = 70_000
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+DOCS = [" ".join(f"w{(i * 7919 + j * 104729) % WORDS}" for j in range(12)) for i in range(8)]
+
+
+def llama3_style_tokenizer(path) -> Tokenizer:
+    vocab = {f"w{i}": i for i in range(WORDS)} | {"<unk>": WORDS, BOS: WORDS + 1, EOS: WORDS + 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([BOS, EOS])
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, WORDS + 1)])
+    tok.save(str(path))
+    return tok
+
+
+def _write_docs(path, docs):
+    with path.open("w") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+
+
+def test_val_path_keeps_the_dtype_suffix(tmp_path):
+    assert val_path(tmp_path / "train.u32.bin").name == "train-val.u32.bin"
+    assert val_path(tmp_path / "train.bin").name == "train-val.bin"
+
+
+def test_prepare_data_writes_uint32_splits_with_llama3_bos_and_eos(tmp_path, capsys):
+    tok = llama3_style_tokenizer(tmp_path / "tokenizer.json")
+    _write_docs(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "train.u32.bin"
+    args = ["prepare-data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json")]
+    assert main([*args, "--out", str(out), "--val-fraction", "0.25"]) == 0, capsys.readouterr().err
+    val = tmp_path / "train-val.u32.bin"
+    meta, val_meta = read_metadata(out), read_metadata(val)
+    assert meta["dtype"] == val_meta["dtype"] == "uint32" and meta["vocab_size"] == WORDS + 3
+    assert (meta["documents"], val_meta["documents"]) == (6, 2)  # every 4th document
+    assert meta["eos_id"] == WORDS + 2 and meta["added_special_ids"] == [WORDS + 1]
+    # read back as uint32 (the name says so), every document BOS ... EOS, ids above 65,535 intact
+    tokens = TokenFile(val, vocab_size=meta["vocab_size"]).tokens
+    expected = []
+    for doc in DOCS[3::4]:
+        expected += [WORDS + 1, *(int(w[1:]) for w in doc.split()), WORDS + 2]
+    assert np.asarray(tokens).tolist() == expected and max(expected) > 65_535
+    assert tok.decode(expected[: 1 + 12 + 1], skip_special_tokens=True) == DOCS[3]
+
+    # a validation split that would get no document is refused, not written empty
+    _write_docs(tmp_path / "one.jsonl", DOCS[:1])
+    empty = tmp_path / "one.u32.bin"
+    assert main([*args[:1], str(tmp_path / "one.jsonl"), *args[2:], "--out", str(empty), "--val-fraction", "0.01"]) == 1
+    assert "the validation split would be empty; give at least 100 documents" in capsys.readouterr().err
+    assert not empty.exists() and not (tmp_path / "one-val.u32.bin").exists()
+    # and a uint32 vocabulary in a file named for uint16 is refused
+    assert main([*args, "--out", str(tmp_path / "train.bin")]) == 1
+    assert "needs uint32 tokens: name the file *.u32.bin" in capsys.readouterr().err
+
+
+def test_a_text_job_with_a_large_vocabulary_tokenizes_into_uint32_and_trains(ranks, tmp_path):
+    from tests._jobs import tiny_llama_job, train
+
+    llama3_style_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "corpus.txt").write_text(" ".join(DOCS * 4))
+    spec = tiny_llama_job(
+        tmp_path / "run",
+        data={"kind": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": str(tmp_path / "tokenizer.json"), "seq_len": 16},
+        model={"overrides": {"vocab_size": WORDS + 3}},
+        training={"steps": 2},
+    )
+    history = ranks(1).run(train, spec)[0]
+    assert len(history) == 2 and all(np.isfinite(r["loss"]) for r in history)
+    (cache,) = (tmp_path / "run").glob("t-*/data/corpus.txt.*.bin")
+    assert cache.name.endswith(".u32.bin") and read_metadata(cache)["dtype"] == "uint32"
+
+
+@pytest.mark.parametrize("fraction", ["0.5"])
+def test_prepare_data_val_fraction_on_documents_that_split(tmp_path, fraction, capsys):
+    llama3_style_tokenizer(tmp_path / "tokenizer.json")
+    _write_docs(tmp_path / "docs.jsonl", DOCS[:2])
+    out = tmp_path / "d.u32.bin"
+    assert main(["prepare-data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--out", str(out), "--val-fraction", fraction]) == 0, capsys.readouterr().err  # fmt: skip
+    assert read_metadata(val_path(out))["documents"] == 1
