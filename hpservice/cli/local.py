@@ -154,49 +154,54 @@ def load_launchable(args, *, here: bool = True):
 
 
 def _load_for_generation(path: str):
-    """A plain Llama with the weights of ``path``: our checkpoint (its recorded config) or a
-    Hugging Face directory."""
+    """A plain Llama with the weights of ``path`` and its ``hf_text`` record (special ids,
+    tokenizer files; None where there is none): our checkpoint (its recorded config) or a Hugging
+    Face directory."""
     from pathlib import Path
 
     from hpservice.checkpoint import CheckpointReader
     from hpservice.models.hf import llama_config_from_hf, load_hf_weights
+    from hpservice.models.hf_text import record_from_hf
     from hpservice.models.llama import Llama, LlamaConfig
 
     p = Path(path)
     if (p / "config.json").is_file():
         model = Llama(llama_config_from_hf(p))
         load_hf_weights(model, p)
-        return model
+        return model, record_from_hf(p)
     checkpoint = CheckpointReader(p)  # an input: read, never written, nothing in it runs
     recorded = checkpoint.extra(0).get("model") or {}
     if recorded.get("name") != "llama":
         raise ValueError(f"{p}: not a llama checkpoint with its config recorded")
     model = Llama(LlamaConfig(**recorded["config"]))
     checkpoint.load(model)
-    return model
+    return model, recorded.get("text")
 
 
 def _generate(args) -> int:
     from hpservice.data import ByteTokenizer
     from hpservice.models.generate import generate
+    from hpservice.models.hf_text import stop_ids
 
     try:
-        model = _load_for_generation(args.checkpoint)
-        if args.tokenizer:
+        model, text = _load_for_generation(args.checkpoint)
+        files = (text or {}).get("files") or {}
+        if args.tokenizer or "tokenizer.json" in files:  # --tokenizer, else the one the model came with
             from tokenizers import Tokenizer
 
-            tok = Tokenizer.from_file(args.tokenizer)
-            encode, decode = (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
-            eos = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>") if tok.token_to_id(t) is not None), None)
+            tok = Tokenizer.from_file(args.tokenizer) if args.tokenizer else Tokenizer.from_str(files["tokenizer.json"])
+            # the prompt as transformers' tokenizer gives it: with the tokenizer's BOS (Llama 3's)
+            encode, decode = (lambda prompt: tok.encode(prompt, add_special_tokens=True).ids), tok.decode
+            stops = stop_ids(text, tok)
         elif model.cfg.vocab_size == 256:
             byte = ByteTokenizer()
-            encode, decode, eos = byte.encode, byte.decode, None
+            encode, decode, stops = byte.encode, byte.decode, set()
         else:
             print(f"hpservice generate: a {model.cfg.vocab_size}-token model needs --tokenizer", file=sys.stderr)
             return 2
         ids = generate(
             model, list(encode(args.prompt)), args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed, eos_id=eos,
+            top_k=args.top_k, seed=args.seed, stop_ids=stops,
         )  # fmt: skip
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hpservice generate: {e}", file=sys.stderr)

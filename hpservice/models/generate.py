@@ -10,6 +10,8 @@ One process, unsharded weights (a checkpoint loads into a plain model for this).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 
@@ -69,11 +71,12 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
-    eos_id: int | None = None,
+    stop_ids: Collection[int] = (),
 ) -> list[int]:
     """The new token ids after ``prompt_ids``: greedy with ``temperature`` 0, else sampled from
     the softmax at that temperature over the ``top_k`` most likely tokens (all when None); stops
-    at ``eos_id`` (included) or after ``max_new_tokens``."""
+    at any of ``stop_ids`` (included; a model's end-of-text tokens, ``hf_text.stop_ids``) or after
+    ``max_new_tokens``."""
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty")
     model.eval()
@@ -92,7 +95,7 @@ def generate(
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))
             token = int(torch.multinomial(scaled.softmax(-1), 1, generator=gen))
         out.append(token)
-        if token == eos_id or cache.length >= model.cfg.max_seq_len:
+        if token in stop_ids or cache.length >= model.cfg.max_seq_len:
             break
         logits = next_logits(model, torch.tensor([[token]], device=device), cache)[:, -1]
     return out

@@ -32,6 +32,7 @@ import torch
 from hpservice.checkpoint._reader import CheckpointReader, dcp_load
 from hpservice.inputs import InputError, open_input, opened_path
 
+from .hf_text import write_text_files
 from .llama import Llama, LlamaConfig
 
 __all__ = ["HFFormatError", "export_checkpoint_hf", "export_hf", "hf_config", "hf_name", "llama_config_from_hf", "load_hf_weights", "save_hf_pretrained"]
@@ -225,8 +226,10 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
 # ---- export -----------------------------------------------------------------------------------
 
 
-def hf_config(cfg: LlamaConfig) -> dict:
-    """The ``config.json`` transformers needs for our Llama of config ``cfg``."""
+def hf_config(cfg: LlamaConfig, text: dict | None = None) -> dict:
+    """The ``config.json`` transformers needs for our Llama of config ``cfg``; ``text`` (a run's
+    ``hf_text`` record) adds its special token ids and the source's ``max_position_embeddings``
+    (a job's ``max_seq_len`` is the context it trained on, not the model's limit)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -246,6 +249,7 @@ def hf_config(cfg: LlamaConfig) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": "float32",
+        **((text or {}).get("config") or {}),
     }
 
 
@@ -257,10 +261,14 @@ def _to_hf_layout(name: str, value: torch.Tensor, head_dim: int) -> torch.Tensor
     return value.view(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_shard_bytes: int = 2 << 30) -> dict:
+def export_hf(
+    checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_shard_bytes: int = 2 << 30, text: dict | None = None
+) -> dict:
     """Write a committed checkpoint of our Llama as a Hugging Face checkpoint directory:
     ``config.json``, ``model-0000x-of-0000y.safetensors`` and their index, loadable by
-    ``transformers.AutoModelForCausalLM.from_pretrained(out)``.
+    ``transformers.AutoModelForCausalLM.from_pretrained(out)``; with ``text`` (the run's
+    ``hf_text`` record) also its special token ids, ``generation_config.json`` and tokenizer files
+    (then ``AutoTokenizer.from_pretrained(out)`` loads, and ``generate`` stops at end of text).
 
     Streams: the tensors are read from the sharded checkpoint and written one shard file at a
     time (at most ``max_shard_bytes`` of tensors in memory, or one tensor if larger). Writes into
@@ -268,10 +276,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_
     Returns ``{"files": [...], "tensors": N}``."""
     checkpoint, out = Path(checkpoint), Path(out)
     with CheckpointReader(checkpoint).opened() as (reader, _, _):
-        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes)
+        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes, text)
 
 
-def _export_hf(checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_bytes: int) -> dict:
+def _export_hf(checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_bytes: int, text: dict | None) -> dict:
     import shutil
 
     metadata = reader.read_metadata()
@@ -319,11 +327,12 @@ def _export_hf(checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, text), indent=2))
+    extras = write_text_files(text, tmp)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    return {"files": [f for f, _ in files], "tensors": len(weight_map)}
+    return {"files": [f for f, _ in files] + extras, "tensors": len(weight_map)}
 
 
 def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig) -> list:
@@ -354,7 +363,8 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
             f"{checkpoint}: no llama model config recorded (a checkpoint of another model, or written before "
             "hpservice recorded it); Hugging Face export covers the built-in llama"
         )
-    return export_hf(checkpoint, out, LlamaConfig(**recorded["config"]), max_shard_bytes=max_shard_bytes)
+    cfg = LlamaConfig(**recorded["config"])
+    return export_hf(checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"))
 
 
 def save_hf_pretrained(model: Llama, out: str | Path) -> Path:

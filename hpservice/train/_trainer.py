@@ -357,6 +357,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.model_config_dict = None
+        self.text_record = self._text_record() if self.rank == 0 and m.name == "llama" else None
         if m.name in list_models():
             config = model_config(m.name, m.flavor, m.overrides, m.init_from)
             self.model_config_dict = dataclasses.asdict(config)
@@ -407,6 +408,20 @@ class Trainer:
         if spec.metrics.profile is not None:
             self._profiler = StepProfiler(spec.metrics.profile, spec.artifacts_dir(), self.rank, self.device)
         self._profiler_reported = False
+
+    def _text_record(self) -> dict | None:
+        """The special token ids, generation config and tokenizer files of this run's model
+        (``hpservice.models.hf_text``): from ``model.init_from``, else from ``data.tokenizer``."""
+        from hpservice.models.hf_text import record_from_hf, record_from_tokenizer
+
+        try:
+            if self.spec.model.init_from is not None:
+                return record_from_hf(self.spec.model.init_from)
+            if self.spec.data.kind == "text" and self.spec.data.tokenizer is not None:
+                return record_from_tokenizer(self.spec.data.tokenizer)
+        except Exception as e:  # a broken tokenizer stops the run where its data is read, saying why
+            log.warning("the run's tokenizer files are not recorded for export: %s", e)
+        return None
 
     def _source(self, d, vocab: int | None, run_dir: Path):
         """The token source of a data section. Text with ``tokenizer``: rank 0 tokenizes it once
@@ -473,6 +488,8 @@ class Trainer:
             # what the weights are, for exporting the checkpoint without the job spec (hpservice export --format hf)
             "model": {"name": self.spec.model.name, "config": self.model_config_dict},
         }
+        if self.rank == 0 and self.text_record is not None:  # what an HF export writes besides weights
+            extra["model"]["text"] = self.text_record
         self._report_committed()  # save() waits for the previous async save: it is committed now
         self.checkpoints.save(self.step, self.model, self.optimizer, extra, metrics=metrics)
         self._uncommitted.append({"step": self.step, "metrics": metrics or {}})

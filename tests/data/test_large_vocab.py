@@ -93,3 +93,77 @@ def test_prepare_data_val_fraction_on_documents_that_split(tmp_path, fraction, c
     assert main(["prepare-data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json"),
                  "--out", str(out), "--val-fraction", fraction]) == 0, capsys.readouterr().err  # fmt: skip
     assert read_metadata(val_path(out))["documents"] == 1
+
+
+def _train_and_checkpoint(spec):
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    trainer.train()
+    return trainer.checkpoints.latest()["path"]
+
+
+def test_an_export_carries_the_tokenizer_and_transformers_generates_what_we_generate(ranks, tmp_path):
+    """A 70,003-token model trained from scratch on text: its HF export loads with AutoTokenizer,
+    says which ids end text, and transformers' greedy generate equals ``hpservice generate``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from hpservice.cli.local import _load_for_generation
+    from hpservice.models.generate import generate
+    from hpservice.models.hf import export_checkpoint_hf
+    from hpservice.models.hf_text import stop_ids
+    from tests._jobs import tiny_llama_job
+
+    tok = llama3_style_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "corpus.txt").write_text(" ".join(DOCS * 4))
+    spec = tiny_llama_job(
+        tmp_path / "run",
+        data={"kind": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": str(tmp_path / "tokenizer.json"), "seq_len": 16},
+        model={"overrides": {"vocab_size": WORDS + 3}},
+        training={"steps": 2},
+        checkpoint={"interval": 2},
+    )
+    checkpoint = ranks(1).run(_train_and_checkpoint, spec)[0]
+    out = tmp_path / "export"
+    done = export_checkpoint_hf(checkpoint, out)
+    assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(done["files"])
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (WORDS + 1, WORDS + 2)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == WORDS + 2
+
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    prompt = DOCS[0]
+    assert hf_tok(prompt)["input_ids"] == tok.encode(prompt).ids  # BOS first, as prepare-data wrote it
+    hf = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([hf_tok(prompt)["input_ids"]])
+    theirs = hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :].tolist()
+    model, text = _load_for_generation(checkpoint)
+    ours = generate(model, ids[0].tolist(), 6, stop_ids=stop_ids(text, tok))
+    assert ours == theirs
+
+
+def test_an_imported_models_limits_and_stop_tokens_survive_its_fine_tune(tmp_path):
+    """``max_seq_len`` is what a job trains on; the export keeps the source's context length, its
+    token ids and the generation config that stops at Llama 3 instruct's <|eot_id|>."""
+    from hpservice.models.generate import generate
+    from hpservice.models.hf import hf_config, save_hf_pretrained
+    from hpservice.models.hf_text import record_from_hf, stop_ids
+    from hpservice.models.llama import Llama, LlamaConfig
+
+    source = tmp_path / "base"
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=512)
+    model = Llama(cfg)
+    save_hf_pretrained(model, source)
+    config = json.loads((source / "config.json").read_text()) | {"bos_token_id": 1, "eos_token_id": 2}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 9]}))
+    record = record_from_hf(source)
+    fine_tuned = LlamaConfig(**{**cfg.__dict__, "max_seq_len": 64})
+    exported = hf_config(fine_tuned, record)
+    assert exported["max_position_embeddings"] == 512 and exported["eos_token_id"] == 2
+    assert stop_ids(record) == {2, 9}
+    # generation stops at the first of them it produces
+    first = generate(model, [1, 5], 8)
+    stop = first[2]
+    assert generate(model, [1, 5], 8, stop_ids={stop})[-1] == stop and len(generate(model, [1, 5], 8, stop_ids={stop})) <= 3
