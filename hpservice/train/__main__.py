@@ -15,14 +15,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from hpservice.preflight import check_devices, check_inputs, check_model, raise_if
+
     try:
         spec = load_job(args.job, args.set)
+        # torchrun gives the world size, so the layout is checked at start; the rest is knowable now
+        raise_if(check_model(spec) + check_inputs(spec) + check_devices(spec), args.job)
     except SpecError as e:
         print(e, file=sys.stderr)
         return 2
     from hpservice.train import Trainer
 
-    Trainer(spec).train()
+    trainer = Trainer(spec)
+    if trainer.rank == 0:  # where this run's outputs are: its id is decided in Trainer (rank 0's, for all)
+        checkpoints = f", checkpoints in {trainer.spec.checkpoint.dir}" if trainer.checkpoints is not None else ""
+        print(f"[{spec.name}] run {trainer.spec.run_id}: metrics in {trainer.output_dir}{checkpoints}", flush=True)
+    trainer.train()
     return 0
 
 

@@ -103,6 +103,8 @@ def test_torchrun_runs_the_example_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[tiny-cpu] step     4/4" in out.stdout
     (run,) = tmp_path.glob("tiny-cpu-*/metrics.jsonl")  # one run id, agreed by both ranks
+    announced = f"[tiny-cpu] run {run.parent.name}: metrics in {run.parent}, checkpoints in {tmp_path / 'ckpt'}"
+    assert out.stdout.count(announced) == 1, out.stdout[:2000]  # said once, by rank 0
     assert len(run.read_text().splitlines()) == 4
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
 
