@@ -27,6 +27,27 @@ STATIC = Path(__file__).parent / "static"
 __all__ = ["Settings", "create_app"]
 
 
+def _keeping_signal_handlers(fn, *args):
+    """``fn(*args)`` with this process's SIGTERM / SIGINT handlers as they were before it.
+
+    ``ray.init`` installs its own: a SIGTERM handler that raises ``SystemExit`` from wherever the
+    event loop is, and its core worker's failure handler that dumps a stack. Under uvicorn the
+    server's own handlers must stay, so SIGTERM (what every Kubernetes rollout sends) drains
+    requests and runs this app's shutdown instead of printing a crash."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return fn(*args)
+    finally:
+        for sig, handler in before.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 def create_app(settings: Settings | None = None, *, connect_ray: bool = True, supervise: bool = True) -> FastAPI:
     """The app. ``connect_ray=False, supervise=False`` gives the REST layer alone (tests)."""
     settings = settings or Settings()
@@ -35,7 +56,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if connect_ray:
-            url = connect(settings.ray_address)
+            url = _keeping_signal_handlers(connect, settings.ray_address)
             if url and settings.dashboard_url is None:
                 settings.dashboard_url = url
         if supervise:

@@ -1,6 +1,7 @@
 """The default `hpservice serve` (no --ray-address) keeps running jobs across a kill -9 of the
 server: its local Ray head is a process of its own, and the restarted server re-attaches."""
 
+import signal
 from pathlib import Path
 
 import httpx
@@ -53,6 +54,13 @@ def test_kill_9_the_default_server_mid_job_and_start_it_again(tmp_path):
         assert done["state"] == "SUCCEEDED", done
         records = httpx.get(f"{url}/v1/jobs/{job['id']}/metrics", timeout=30).json()["records"]
         assert [r["step"] for r in records] == list(range(1, 121))  # every step's metrics, none lost
+
+        # SIGTERM (a Kubernetes rollout's stop): a graceful shutdown, no crash dump, no traceback
+        servers[-1].send_signal(signal.SIGTERM)
+        servers[-1].wait(timeout=60)
+        log = (tmp_path / "serve-2.log").read_text()
+        assert "Application shutdown complete." in log, log[-3000:]
+        assert "Traceback" not in log and "SIGTERM received" not in log, log[-3000:]
     finally:
         for proc in servers:
             kill_server(proc)
