@@ -399,9 +399,10 @@ class Store:
         if "placement" in status:
             row.placement_json = json.dumps(status["placement"])
         row.updated_at = time.time()
+        kept = [c["step"] for c in checkpoints]  # the committed ones still on storage: older ones were pruned
         for c in checkpoints:
             if c["step"] not in old_checkpoints:
-                self._add_event(s, job_id, "checkpoint", c)
+                self._add_event(s, job_id, "checkpoint", {**c, "kept": kept})
         for h in new_entries:  # an elastic resize is an event even when the state stays
             if "resize" in h:
                 data = {"state": h["state"], "message": h["message"], "restarts": row.restarts, "time": h["time"]}

@@ -737,10 +737,32 @@
           el("td", { class: "nowrap" }, fmtTime(c.time)),
           el("td", { class: "mono path", title: c.path || "" }, c.path || ""),
         );
+        const action = el("td");
+        action.append(exportButton(c));
+        tr.append(action);
         return tr;
       }),
     );
     $("ckpt-empty").hidden = ckpts.length > 0;
+  }
+
+  function exportButton(c) {
+    // the checkpoint as a Hugging Face directory in the job's exports/ (POST .../export)
+    const button = el("button", { type: "button", class: "small", "data-testid": "export" }, "Export");
+    const job = cur;
+    button.addEventListener("click", async () => {
+      button.disabled = true;
+      button.textContent = "Exporting…";
+      try {
+        const body = await apiSend("POST", `/v1/jobs/${encodeURIComponent(job.id)}/checkpoints/${c.step}/export`);
+        button.replaceWith(el("span", { class: "mono path", title: body.path, "data-testid": "exported" }, body.path));
+      } catch (e) {
+        button.disabled = false;
+        button.textContent = "Export";
+        setConn(`Cannot export step ${c.step}: ${e.message}`, true);
+      }
+    });
+    return button;
   }
 
   function fmtBytes(n) {
@@ -844,7 +866,8 @@
     $("ray-none").hidden = !!url;
     if (url) link.href = url;
     else link.removeAttribute("href");
-    for (const c of job.checkpoints || []) cur.checkpoints.set(`${c.step}|${c.path}`, c);
+    // the job's list is the committed checkpoints still on storage: pruned ones leave the table
+    cur.checkpoints = new Map((job.checkpoints || []).map((c) => [`${c.step}|${c.path}`, c]));
     renderState();
     renderCheckpoints();
     renderHistory();
@@ -947,7 +970,12 @@
     checkpoint(c, d) {
       if (!isNum(d.step)) return;
       const key = `${d.step}|${d.path}`;
-      c.checkpoints.set(key, { ...c.checkpoints.get(key), ...d });
+      const { kept, ...ckpt } = d;
+      c.checkpoints.set(key, { ...c.checkpoints.get(key), ...ckpt });
+      if (Array.isArray(kept)) {
+        // checkpoint.keep pruned the older ones: show only what is on storage
+        for (const [k, v] of c.checkpoints) if (!kept.includes(v.step)) c.checkpoints.delete(k);
+      }
       renderCheckpoints();
     },
     log(c, d) {

@@ -44,6 +44,7 @@ JOB_ID = "tiny-cpu-3f2a9c1d"
 STEPS = 30
 TICK_S = 0.085  # one metrics record per tick: 35 records (5 replayed after the restart) ~ 3 s
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+KEEP = 2  # the job's checkpoint.keep
 RESTART_REASON = "rank 1 exited with code 137 (OOM killed); restarting from step 10"
 
 LOSS = '[data-testid="loss-chart"]'
@@ -99,8 +100,9 @@ class FakeJob:
             job["history"].append({"state": data["state"], "time": data["time"], "message": data["message"]})
         elif kind == "metrics":
             job["step"] = data["step"]
-        elif kind == "checkpoint":
-            job["checkpoints"].append({**data, "time": job["updated_at"]})
+        elif kind == "checkpoint":  # checkpoint.keep: 2, as the server reports it: the older ones are pruned
+            job["checkpoints"] = [*job["checkpoints"], {**data, "time": job["updated_at"]}][-KEEP:]
+            data = {**data, "kept": [c["step"] for c in job["checkpoints"]]}
         self.events.append((len(self.events) + 1, kind, data))
 
     async def _produce(self) -> None:
@@ -231,6 +233,14 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
     def cancel(job_id: str, request: Request):
         fake.actions.append(("cancel", job_id))
         return denied(request) or fake.job
+
+    @app.post("/v1/jobs/{job_id}/checkpoints/{step}/export")
+    def export(job_id: str, step: int, request: Request):
+        if (refused := denied(request)) is not None:
+            return refused
+        fake.actions.append(("export", str(step)))
+        path = f"/data/jobs/alice/{job_id}/exports/step-{step:08d}-hf"
+        return {"step": step, "format": "hf", "path": path, "files": ["config.json", "model-00001-of-00001.safetensors"]}
 
     @app.post("/v1/jobs/{job_id}/resubmit")
     def resubmit(job_id: str, request: Request):
@@ -392,8 +402,16 @@ def test_page_shows_a_live_job(browser):
         assert css(browser, '[data-testid="job-step"]').text == f"{STEPS} / {STEPS}"
 
         # checkpoints, restarts with reasons, logs, the Ray link
-        wait(browser, lambda d: len(css_all(d, '[data-testid="checkpoints"] tbody tr')) == 3)
-        assert "/step-30" in css(browser, '[data-testid="checkpoints"]').text
+        # only the committed checkpoints still on storage: step 10's was pruned when step 30's came
+        wait(browser, lambda d: len(css_all(d, '[data-testid="checkpoints"] tbody tr')) == KEEP)
+        listed = css(browser, '[data-testid="checkpoints"]').text
+        assert "/step-20" in listed and "/step-30" in listed and "/step-10" not in listed
+        # a checkpoint exports as a Hugging Face directory from its row
+        wait(browser, lambda d: click_fresh(d, '[data-testid="checkpoints"] tbody tr:last-child [data-testid="export"]'))
+        exported = wait(browser, lambda d: css_all(d, '[data-testid="exported"]'))[0]
+        assert exported.text == f"/data/jobs/alice/{JOB_ID}/exports/step-00000030-hf"
+        assert fake.actions == [("export", "30")]
+        fake.actions.clear()
         wait(browser, lambda d: RESTART_REASON in css(d, '[data-testid="restart-reasons"]').text)
         assert css(browser, '[data-testid="restart-count"]').text == "1 restart."
         # where each rank runs
