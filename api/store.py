@@ -475,19 +475,27 @@ class Store:
                 row.log_seq = max(row.log_seq or 0, *seqs)
             s.commit()
 
-    def logs(self, job_id: str, rank: int | None, tail: int | None, since: int = 0) -> tuple[list[dict], int]:
-        """Log lines after event ``since`` (of ``rank``, the last ``tail``), each with its ``seq``
-        (the job's event sequence number, the same as the SSE id), and the cursor to ask with
-        next: the last log event looked at, whether or not its rank matched."""
+    def logs(
+        self, job_id: str, rank: int | None, tail: int | None, since: int = 0, limit: int | None = None
+    ) -> tuple[list[dict], int]:
+        """Log lines after event ``since`` (of ``rank``; the last ``tail``, or the first ``limit``:
+        a page), each with its ``seq`` (the job's event sequence number, the same as the SSE id),
+        and the cursor to ask with next: the last log event looked at, whether or not its rank
+        matched."""
         with self.session() as s:
             q = (
                 select(EventRow)
                 .where(EventRow.job_id == job_id, EventRow.kind == "log", EventRow.seq > since)
                 .order_by(EventRow.seq)
             )
+            if limit is not None and rank is None:
+                q = q.limit(limit)
             rows = [(r.seq, json.loads(r.data_json)) for r in s.scalars(q)]
-        cursor = rows[-1][0] if rows else since
         lines = [{**line, "seq": seq} for seq, line in rows if rank is None or line["rank"] == rank]
+        if limit is not None and len(lines) > limit:  # one rank's page: stop after its limit-th line
+            lines = lines[:limit]
+            return lines, lines[-1]["seq"]
+        cursor = rows[-1][0] if rows else since
         return (lines[-tail:] if tail else lines), cursor
 
     def events(self, job_id: str, after_seq: int, limit: int = 1000) -> list[tuple[int, str, dict]]:

@@ -219,10 +219,13 @@ class Client:
         """``{"records": [...], "next_since_step": N}``: records with ``step > since_step``, ascending."""
         return self._request("GET", self._job_path(job_id, "/metrics"), params={"since_step": since_step})
 
-    def logs(self, job_id: str, rank: int | None = None, tail: int | None = None, since: int = 0) -> dict:
+    def logs(
+        self, job_id: str, rank: int | None = None, tail: int | None = None, since: int = 0, limit: int | None = None
+    ) -> dict:
         """``{"lines": [{"seq", "rank", "step", "time", "line"}], "next_since": N}``: lines after event
-        ``since`` (pass ``next_since`` back to get only newer ones; ``seq`` is the SSE id)."""
-        params = {"rank": rank, "tail": tail, "since": since or None}
+        ``since`` (pass ``next_since`` back to get only newer ones; ``seq`` is the SSE id); at most
+        ``limit`` of them (a page), or the last ``tail``."""
+        params = {"rank": rank, "tail": tail, "since": since or None, "limit": limit}
         return self._request("GET", self._job_path(job_id, "/logs"), params=params)
 
     def checkpoints(self, job_id: str) -> dict:

@@ -235,8 +235,11 @@ def logs(
     rank: int | None = Query(None, ge=0, le=1 << 20),
     tail: int | None = Query(None, ge=1, le=100_000),
     since: int = Query(0, ge=0, le=INT64[1], description="only lines after this event sequence number (next_since)"),
+    limit: int | None = Query(None, ge=1, le=100_000, description="at most this many lines, the first after since: a page"),
 ):
-    lines, cursor = store.logs(job["id"], rank, tail, since)
+    if tail is not None and limit is not None:
+        raise APIError(422, "tail and limit exclude each other: tail is the last lines, limit a page from since")
+    lines, cursor = store.logs(job["id"], rank, tail, since, limit)
     return {"lines": lines, "next_since": cursor}
 
 

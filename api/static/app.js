@@ -734,8 +734,9 @@
         tr.append(
           el("td", { class: "num" }, String(c.step)),
           el("td", { class: "num mono" }, loss),
-          el("td", { class: "nowrap" }, fmtTime(c.time)),
-          el("td", { class: "mono path", title: c.path || "" }, c.path || ""),
+          el("td", { class: "nowrap cell-time" }, fmtTime(c.time)),
+          // LRM: the path reads left to right where a narrow screen lays the cell out right to left
+          el("td", { class: "mono path", title: c.path || "" }, `\u200E${c.path || ""}`),
         );
         const action = el("td");
         action.append(exportButton(c));
@@ -828,6 +829,57 @@
     pre.dataset.count = String(cur.logs.length);
     pre.dataset.last = String(cur.logSeq || 0);
     if (atBottom) pre.scrollTop = pre.scrollHeight;
+  }
+
+  // ---------------------------------------------------------------- full log (paged) and download
+
+  const LOG_PAGE = 1000;
+  const logLine = (l) => {
+    const where = [isNum(l.rank) ? `r${l.rank}` : "", isNum(l.step) ? `s${l.step}` : ""].filter(Boolean).join(" ");
+    return where ? `[${where}] ${l.line ?? ""}` : String(l.line ?? "");
+  };
+
+  async function logPage(job, since, limit) {
+    return api(`/v1/jobs/${encodeURIComponent(job.id)}/logs?since=${since}&limit=${limit}`);
+  }
+
+  async function loadMoreLog() {
+    const job = cur;
+    if (!job) return;
+    const box = $("full-log");
+    const page = await logPage(job, job.fullLogSince || 0, LOG_PAGE);
+    if (job !== cur) return;
+    job.fullLogSince = page.next_since;
+    const text = page.lines.map(logLine).join("\n");
+    if (text) box.textContent += (box.textContent ? "\n" : "") + text;
+    else if (!box.textContent) box.textContent = "No log lines yet.";
+    box.dataset.lines = String(Number(box.dataset.lines || 0) + page.lines.length);
+    $("log-more").disabled = page.lines.length < LOG_PAGE; // the end, for now
+  }
+
+  async function downloadLog() {
+    const job = cur;
+    if (!job) return;
+    const parts = [];
+    for (let since = 0; ; ) {
+      const page = await logPage(job, since, 5000);
+      parts.push(...page.lines.map(logLine));
+      if (page.lines.length < 5000) break;
+      since = page.next_since;
+    }
+    const url = URL.createObjectURL(new Blob([parts.join("\n") + "\n"], { type: "text/plain" }));
+    const a = el("a", { href: url, download: `${job.id}.log` });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 1000);
+  }
+
+  function resetFullLog() {
+    $("full-log").textContent = "";
+    $("full-log").dataset.lines = "0";
+    $("log-more").disabled = false;
+    $("full-log-box").open = false;
   }
 
   function renderHistory() {
@@ -1041,6 +1093,7 @@
     setBadge($("job-state"), "…");
     $("loss-chart").dataset.points = "0";
     $("ray-link").hidden = true;
+    resetFullLog();
     renderCheckpoints();
     renderState();
     renderHistory();
@@ -1083,6 +1136,12 @@
     cur = null;
     if (id) selectJob(id);
   });
+
+  $("full-log-box").addEventListener("toggle", () => {
+    if ($("full-log-box").open && $("full-log").dataset.lines === "0") loadMoreLog().catch((e) => setConn(`Cannot read the log: ${e.message}`, true));
+  });
+  $("log-more").addEventListener("click", () => loadMoreLog().catch((e) => setConn(`Cannot read the log: ${e.message}`, true)));
+  $("log-download").addEventListener("click", () => downloadLog().catch((e) => setConn(`Cannot download the log: ${e.message}`, true)));
 
   $("forget-token").addEventListener("click", () => {
     saveToken("");

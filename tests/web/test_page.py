@@ -62,6 +62,7 @@ class FakeJob:
         self.stream_queries: list[dict[str, str]] = []
         self.downloads: list[tuple[str, str | None]] = []  # (artifact, Authorization header)
         self.actions: list[tuple[str, str]] = []  # cancel / delete requests from the page
+        self.log_pages: list[int | None] = []  # the limit of each /logs request
         self.deleted = False
         # None: metrics flow every tick; n: the producer holds before its (n+1)-th metrics record,
         # so a test can watch the page take each record in turn whatever the machine's load
@@ -214,6 +215,14 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
     def get_job(job_id: str, request: Request):
         return denied(request) or (fake.job if job_id == JOB_ID else not_found(job_id))
 
+    @app.get("/v1/jobs/{job_id}/logs")
+    def logs(job_id: str, request: Request, since: int = 0, limit: int | None = None):
+        if (refused := denied(request)) is not None:
+            return refused
+        fake.log_pages.append(limit)
+        lines = [{**d, "seq": seq} for seq, kind, d in fake.events if kind == "log" and seq > since][:limit]
+        return {"lines": lines, "next_since": lines[-1]["seq"] if lines else since}
+
     @app.get("/v1/jobs/{job_id}/artifacts")
     def artifacts(job_id: str, request: Request):
         if (refused := denied(request)) is not None:
@@ -306,6 +315,7 @@ def browser(tmp_path):
     for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1000"]:
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    options.add_experimental_option("prefs", {"download.default_directory": str(tmp_path / "downloads")})
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     driver.set_page_load_timeout(30)
     try:
@@ -359,7 +369,7 @@ def watch_points(driver, timeout: float = 20.0) -> list[int]:
     return seen
 
 
-def test_page_shows_a_live_job(browser):
+def test_page_shows_a_live_job(browser, tmp_path):
     fake = FakeJob()
     with serve(make_app(fake)) as base:
         browser.get(f"{base}/")
@@ -419,6 +429,15 @@ def test_page_shows_a_live_job(browser):
         placement = css(browser, '[data-testid="placement"]').text
         assert "node aaaaaaaa (10.0.0.5): rank 0" in placement and "node bbbbbbbb (10.0.0.6): rank 1" in placement
         assert "step 30 loss" in css(browser, '[data-testid="logs"]').text
+        # the whole log, a page at a time, and as a file
+        css(browser, '[data-testid="full-log-box"] summary').click()
+        wait(browser, lambda d: css(d, '[data-testid="full-log"]').get_attribute("data-lines") == "7")
+        full = css(browser, '[data-testid="full-log"]').text.splitlines()
+        assert full[0] == "[r0 s5] step 5 loss 4.226" and full[-1].startswith("[r0 s30] step 30 loss")
+        assert fake.log_pages == [1000] and not css(browser, '[data-testid="log-more"]').is_enabled()  # the end
+        css(browser, '[data-testid="log-download"]').click()
+        saved = tmp_path / "downloads" / f"{JOB_ID}.log"
+        wait(browser, lambda d: saved.is_file() and saved.read_text().splitlines() == full)
         assert css(browser, '[data-testid="ray-link"]').get_attribute("href") == "http://127.0.0.1:8265/#/actors"
         assert fake.stream_queries == [{}], "one stream, no token in the URL without a token"
 
@@ -487,11 +506,23 @@ def test_page_asks_for_a_token_and_selects_from_the_hash(browser):
         assert fake.stream_queries == [{"token": token}]
         assert browser.execute_script("return localStorage.getItem('hpservice.token')") == token
 
-        # a narrow window: one column, nothing wider than the viewport
-        browser.set_window_size(390, 900)
-        wait(browser, lambda d: d.execute_script("return window.innerWidth") <= 400)
-        overflow = browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth")
-        assert overflow <= 0, f"the page is {overflow}px wider than a narrow window"
+        # a desktop and a phone: nothing wider than the window, and no table wider than its panel
+        # (a sideways-scrolling jobs table hides columns, and selecting a row scrolled the ids)
+        for width in (1400, 390):
+            browser.set_window_size(width, 900)
+            wait(browser, lambda d, width=width: d.execute_script("return window.innerWidth") <= width)
+            browser.save_screenshot(f"/tmp/hpservice-page-{width}.png")
+            overflow = browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 0, f"the page is {overflow}px wider than a {width}px window"
+            for table in ("job-table", "checkpoints"):
+                wide = browser.execute_script(
+                    "const w = document.querySelector(`[data-testid='${arguments[0]}']`).parentElement;"
+                    "return [w.scrollWidth - w.clientWidth, w.scrollLeft]", table
+                )
+                assert wide == [0, 0], f"at {width}px the {table} table is {wide[0]}px wider than its panel"
+            rows = css_all(browser, f'{ROW}[data-job-id="{JOB_ID}"] td')
+            shown = [td.text for td in rows if td.is_displayed()]
+            assert shown[0] == JOB_ID and "SUCCEEDED" in shown and f"{STEPS} / {STEPS}" in shown, shown
         assert css(browser, LOSS).size["width"] <= 390
 
         # the saved token is used on the next visit without asking
