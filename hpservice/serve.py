@@ -110,7 +110,8 @@ def serve(
             return 1
         settings.ray_address, settings.dashboard_url = head["address"], head["dashboard_url"]
         print(
-            f"hpservice serve: local Ray head {head['address']} (pid {head['pid']}, dashboard {head['dashboard_url']}); "
+            f"hpservice serve: local Ray head {head['address']} (pid {head['pid']}, dashboard {head['dashboard_url']}, which asks "
+            "for Ray's token: `ray get-auth-token` prints it); "
             "it keeps running jobs across restarts of the server; `hpservice serve --stop-ray` ends it",
             file=sys.stderr,
         )

@@ -916,6 +916,7 @@
     }
     link.hidden = !url;
     $("ray-none").hidden = !!url;
+    $("ray-hint").hidden = !url;
     if (url) link.href = url;
     else link.removeAttribute("href");
     // the job's list is the committed checkpoints still on storage: pruned ones leave the table

@@ -439,6 +439,7 @@ def test_page_shows_a_live_job(browser, tmp_path):
         saved = tmp_path / "downloads" / f"{JOB_ID}.log"
         wait(browser, lambda d: saved.is_file() and saved.read_text().splitlines() == full)
         assert css(browser, '[data-testid="ray-link"]').get_attribute("href") == "http://127.0.0.1:8265/#/actors"
+        assert "ray get-auth-token" in css(browser, '[data-testid="ray-hint"]').text  # what its token dialog wants
         assert fake.stream_queries == [{}], "one stream, no token in the URL without a token"
 
         # the profiler trace is listed and downloads through fetch (so a token would go in a header)
