@@ -467,6 +467,11 @@ class Store:
             row = self._locked(s, job_id)
             if row is None:
                 return
+            # a line at or below the stored cursor is stored already (a late answer asked again, a
+            # second replica): once per line, whoever sends it
+            lines = [line for line in lines if "seq" not in line or line["seq"] > (row.log_seq or 0)]
+            if not lines:
+                return
             for line in lines:
                 self._add_event(s, job_id, "log", {k: line[k] for k in ("rank", "step", "time", "line")})
             row.log_time = max(row.log_time, max(line["time"] for line in lines))

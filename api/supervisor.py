@@ -94,6 +94,9 @@ class Supervisor:
         self.poll_timeout_s = poll_timeout_s
         self._handles: dict[str, JobHandle] = {}
         self._metric_cursors: dict[str, tuple[JobHandle, int]] = {}  # job -> (its coordinator's handle, arrivals read)
+        # job -> the last log line stored by this process: a tick's job rows are read before that
+        # tick stores the answers in flight, so their log_seq may be behind
+        self._log_cursors: dict[str, int] = {}
         self._requests: dict[str, _Request] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,6 +151,7 @@ class Supervisor:
         with self._lock:
             self._handles.clear()
         self._requests.clear()
+        self._log_cursors.clear()
         self._preempting.clear()
         self._cancelling.clear()
         self._reasons.clear()
@@ -298,7 +302,7 @@ class Supervisor:
         self._requests[job["id"]] = _Request(
             handle=handle,
             poll=coordinator.poll.remote(*self._metric_cursor(job["id"], handle)),
-            logs=coordinator.logs.remote(None, None, 0, job.get("log_seq") or 0),
+            logs=coordinator.logs.remote(None, None, 0, max(job.get("log_seq") or 0, self._log_cursors.get(job["id"], 0))),
             log_time=job["log_time"] if job.get("log_seq") is None else -1.0,
             issued=time.monotonic(),
         )
@@ -358,6 +362,9 @@ class Supervisor:
         self.store.add_metrics(job_id, update["records"])
         self._metric_cursors[job_id] = (request.handle, update["cursor"])
         self.store.add_logs(job_id, lines)
+        seqs = [line["seq"] for line in lines if "seq" in line]
+        if seqs:
+            self._log_cursors[job_id] = max(self._log_cursors.get(job_id, 0), *seqs)
         status = update["status"]
         if status["state"] == JobState.SUCCEEDED:
             status = self._check_metrics_complete(job_id, status)
@@ -370,6 +377,7 @@ class Supervisor:
             with self._lock:
                 self._handles.pop(job_id, None)
                 self._metric_cursors.pop(job_id, None)
+                self._log_cursors.pop(job_id, None)
             request.handle.shutdown()
 
     def _check_metrics_complete(self, job_id: str, status: dict) -> dict:

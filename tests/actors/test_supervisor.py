@@ -29,8 +29,9 @@ def cluster():
 class FakeCoordinator:
     """Answers like a coordinator; a frozen one never answers (a SIGSTOPped process)."""
 
-    def __init__(self, frozen: bool, steps: int | None = None):
+    def __init__(self, frozen: bool, steps: int | None = None, answer_s: float = 0.0):
         self.frozen, self.steps, self.step, self.stops, self.lines = frozen, steps, 0, 0, []
+        self.answer_s = answer_s  # how long a log answer takes: longer than the tick's own wait for it
         self.preempted_by = None
 
     def poll(self, since_step, after=0):  # one record per step, so a record's arrival number is its step
@@ -56,6 +57,7 @@ class FakeCoordinator:
     def logs(self, rank, tail, since, since_seq):
         if self.frozen:
             time.sleep(3600)
+        time.sleep(self.answer_s)
         n = len(self.lines) + 1  # one more line per call; the follower's cursor says what it has
         self.lines.append({"seq": n, "rank": 0, "step": self.step, "time": time.time(), "line": f"line {n}"})
         return [line for line in self.lines if line["seq"] > since_seq]
@@ -68,10 +70,10 @@ class FakeCoordinator:
         return self.stops
 
 
-def _started_job(store, job_id, frozen):
+def _started_job(store, job_id, frozen, answer_s=0.0):
     store.create_job(job_id, "s", "alice", SPEC, 100, None)
     store.mark_started(job_id)
-    actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice").remote(frozen)
+    actor = FakeCoordinator.options(name=coordinator_name(job_id), namespace="hpservice").remote(frozen, None, answer_s)
     ray.get(actor.stop_requests.remote(), timeout=60)  # registered under its name before the supervisor looks
     return actor
 
@@ -89,11 +91,14 @@ def _in_thread(fn, timeout=60):
 def test_a_frozen_coordinator_never_stalls_another_job(cluster, tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
     frozen_actor = _started_job(store, "frozen-1", frozen=True)  # kept: an actor without handles ends
-    healthy = _started_job(store, "healthy-1", frozen=False)
+    # its answers come after the tick that asked stopped waiting: the next tick stores them, then
+    # asks again from there (a cursor read before it stored them asked for the same lines twice)
+    healthy = _started_job(store, "healthy-1", frozen=False, answer_s=0.3)
     sup = Supervisor(store, poll_interval_s=0.05, poll_timeout_s=1.0)
     deadline = time.monotonic() + 60
     while store.get_job("healthy-1")["step"] < 5 and time.monotonic() < deadline:
         _in_thread(sup.tick)
+        time.sleep(0.4)  # the poll interval: the answers in flight arrive meanwhile
     assert store.get_job("healthy-1")["step"] >= 5  # followed tick after tick
     steps = [r["step"] for r in store.metrics("healthy-1", 0)]
     assert steps == list(range(1, len(steps) + 1))
