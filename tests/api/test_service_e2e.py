@@ -7,6 +7,7 @@ stops by process group; nothing else on the machine is touched.
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,20 +179,26 @@ def test_submit_over_http_and_stream_until_succeeded(service, tmp_path):
 
 
 @pytest.mark.databases("sqlite")  # the CLI's path; streaming from PostgreSQL: the test above
-def test_submit_with_the_cli_and_watch(service, tmp_path):
+def test_submit_with_the_cli_and_follow_its_logs_while_it_runs(service, tmp_path):
     env = {**os.environ, "HPSERVICE_URL": service.url, "HPSERVICE_TOKEN": "t-alice"}
-    cmd = [sys.executable, "-m", "hpservice", "submit", str(ROOT / "examples" / "tiny-cpu.yaml"), "--watch",
-           "--set", "training.steps=3"]  # fmt: skip
+    hp = [sys.executable, "-m", "hpservice"]
+    cmd = [*hp, "submit", str(ROOT / "examples" / "tiny-cpu.yaml"), "--set", "training.steps=12", "--set", "metrics.log_every=1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    listed = subprocess.run(
-        [sys.executable, "-m", "hpservice", "list", "--json"], capture_output=True, text=True, env=env, timeout=60
-    )
-    (job,) = [j for j in json.loads(listed.stdout)["items"] if j["name"] == "tiny-cpu"]
+    job_id = re.search(r"submitted job (\S+)", out.stdout).group(1)
+    # followed from its start to its end: every line once, though the job logs while it is followed
+    follow = subprocess.run([*hp, "logs", job_id, "-f"], capture_output=True, text=True, timeout=300, env=env)
+    assert follow.returncode == 0, follow.stderr[-2000:]
+    lines = follow.stdout.splitlines()
+    assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1]
+    assert any("step    12/12" in line for line in lines), lines[-5:]
+    watched = subprocess.run([*hp, "watch", job_id], capture_output=True, text=True, timeout=300, env=env)
+    assert watched.returncode == 0, watched.stdout[-2000:] + watched.stderr[-2000:]
+    listed = subprocess.run([*hp, "list", "--json"], capture_output=True, text=True, env=env, timeout=60)
+    (job,) = [j for j in json.loads(listed.stdout)["items"] if j["id"] == job_id]
     assert job["state"] == "SUCCEEDED"
-    logs = subprocess.run(
-        [sys.executable, "-m", "hpservice", "logs", job["id"], "--rank", "1"], capture_output=True, text=True, env=env, timeout=60
-    )  # every rank has lines of its own, not only rank 0
+    logs = subprocess.run([*hp, "logs", job_id, "--rank", "1"], capture_output=True, text=True, env=env, timeout=60)
+    # every rank has lines of its own, not only rank 0
     assert logs.returncode == 0 and "[rank 1 step" in logs.stdout and "rank 1 step" in logs.stdout, logs.stdout
 
 
