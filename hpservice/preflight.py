@@ -67,10 +67,11 @@ def check_layout(spec: JobSpec) -> Errors:
     batch = spec.data.global_batch
     if batch % (dp * accum):
         fits = dp * accum
+        near = [n for n in (batch // fits * fits, (batch // fits + 1) * fits) if n > 0]
         errors.append((
             "data.global_batch",
             f"{batch} does not split over {dp} data-parallel ranks x grad_accum {accum}: it must be a multiple of "
-            f"{fits} (e.g. {max(fits, batch // fits * fits)} or {(batch // fits + 1) * fits})",
+            f"{fits} (e.g. {' or '.join(map(str, near))})",
         ))  # fmt: skip
     if spec.eval.interval and spec.eval.data is not None and spec.eval.data.global_batch % dp:
         e = spec.eval.data.global_batch
