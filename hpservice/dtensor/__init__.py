@@ -11,6 +11,7 @@ from . import (
     random,
 )
 from ._api import DTensor, distribute_tensor
+from ._factories import empty, full, ones, rand, randn, zeros
 from ._layout import DTensorSpec
 from ._redistribute import plan_redistribution
 from .device_mesh import DeviceMesh, init_device_mesh
@@ -25,7 +26,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "distribute_tensor",
+    "empty",
+    "full",
     "init_device_mesh",
+    "ones",
     "plan_redistribution",
+    "rand",
+    "randn",
     "random",
+    "zeros",
 ]

@@ -566,3 +566,51 @@ def _check_views_of_non_contiguous():
 
 def test_a_view_torch_cannot_make_is_refused_as_torch_refuses_it(ranks):
     ranks(2).run(_check_views_of_non_contiguous)
+
+
+# ---- factories: zeros / ones / empty / full / rand / randn ------------------------------------------
+
+
+def _check_factories():
+    t, t_mesh = _torch()
+    layouts = []
+    for api, mesh in ((ours, ours.init_device_mesh("cpu", (2, 2))), (t, t_mesh("cpu", (2, 2)))):
+        got = {}
+        for placements in ((api.Shard(0), api.Shard(1)), (api.Replicate(), api.Shard(0)), (api.Partial(), api.Replicate())):
+            for name, make in {
+                "zeros": lambda p, a=api, m=mesh: a.zeros(5, 3, device_mesh=m, placements=p),
+                "ones(size tuple)": lambda p, a=api, m=mesh: a.ones((5, 3), device_mesh=m, placements=p, dtype=torch.float64),
+                "full": lambda p, a=api, m=mesh: a.full((5, 3), 2.5, device_mesh=m, placements=p, requires_grad=True),
+                "empty": lambda p, a=api, m=mesh: a.empty(5, 3, device_mesh=m, placements=p),
+            }.items():
+                x = make(placements)
+                full = x.full_tensor() if name != "empty" else None
+                got[(name, _names(placements))] = (
+                    tuple(x.shape), tuple(x.to_local().shape), x.to_local().stride(), _names(x.placements),
+                    x.dtype, x.requires_grad, None if full is None else full.tolist(),
+                )  # fmt: skip
+        layouts.append(got)
+    # rand / randn: torch 2.13 has no DTensor RNG on a CPU mesh (its factory raises AssertionError);
+    # ours has the layout of zeros, and values that do not depend on the placements
+    mesh = ours.init_device_mesh("cpu", (2, 2))
+    draws = []
+    for placements in ((ours.Shard(0), ours.Shard(1)), (ours.Replicate(), ours.Replicate())):
+        ours.random.manual_seed(7)
+        x = ours.randn(5, 3, device_mesh=mesh, placements=placements)
+        zeros = ours.zeros(5, 3, device_mesh=mesh, placements=placements)
+        assert x.to_local().shape == zeros.to_local().shape and x.placements == zeros.placements
+        assert float(ours.rand(5, 3, device_mesh=mesh, placements=placements).full_tensor().min()) >= 0
+        draws.append(x.full_tensor())
+    with pytest.raises(ValueError, match="need device_mesh"):
+        ours.zeros(2, 2)
+    with pytest.raises(NotImplementedError, match="random values on a Partial DTensor are not defined"):
+        ours.randn(5, 3, device_mesh=mesh, placements=(ours.Partial(), ours.Replicate()))
+    return layouts, torch.equal(draws[0], draws[1]) and draws[0].std() > 0.1
+
+
+def test_factories_give_torchs_layouts_and_values(ranks):
+    for (mine, theirs), same_draw in ranks(4).run(_check_factories):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key] == theirs[key], (key, mine[key], theirs[key])
+        assert same_draw
