@@ -11,7 +11,7 @@ Sequence parallelism: ``SequenceParallel`` (norms on sequence-sharded activation
 """
 
 from .api import parallelize_module
-from .loss import vocab_parallel_cross_entropy
+from .loss import loss_parallel, vocab_parallel_cross_entropy
 from .plans import apply_llama_tp, llama_tp_plan
 from .style import (
     ColwiseParallel,
@@ -33,6 +33,7 @@ __all__ = [
     "SequenceParallel",
     "apply_llama_tp",
     "llama_tp_plan",
+    "loss_parallel",
     "parallelize_module",
     "vocab_parallel_cross_entropy",
 ]

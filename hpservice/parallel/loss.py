@@ -1,16 +1,77 @@
 """Vocab-parallel cross-entropy: the loss of logits sharded on the vocabulary dim, computed from the
 local logits with three all-reduces of ``[N]`` vectors (max, sum of exponentials, target logit);
 the logits are never gathered. The backward is ``softmax - one_hot`` on the local vocabulary slice.
+
+``loss_parallel()`` is torch's context manager of that name: inside it, ``F.cross_entropy`` (and
+``nn.CrossEntropyLoss``) of logits sharded on the class dim computes this loss and returns it as a
+``Replicate`` DTensor, as torch's does. The cases it does not cover yet (a class weight, label
+smoothing, class probabilities as targets, logits also sharded on another dim) raise naming the
+argument, where torch's would compute them.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-from ..dtensor import DTensor
+from ..dtensor import DTensor, Replicate
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
+
+
+@contextlib.contextmanager
+def loss_parallel():
+    """``F.cross_entropy(logits, target)`` of ``logits`` sharded on the class dim (dim 1, or 0 for
+    1-D input) on one mesh dim and replicated on the others: the vocab-parallel loss, without
+    gathering the logits; a ``Replicate`` DTensor. ``target``: class indices, a plain tensor (or a
+    replicated DTensor) equal on every rank. Outside a DTensor input, ``cross_entropy`` is torch's."""
+    with _LossParallel():
+        yield
+
+
+class _LossParallel(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and isinstance(args[0] if args else kwargs.get("input"), DTensor):
+            return _parallel_cross_entropy(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _parallel_cross_entropy(
+    input: DTensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    size_average=None,
+    ignore_index: int = -100,
+    reduce=None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> DTensor:
+    unsupported = {
+        "weight": weight is not None,
+        "label_smoothing": label_smoothing != 0.0,
+        "size_average / reduce (deprecated; use reduction)": size_average is not None or reduce is not None,
+        "class probabilities as target (a floating target)": torch.is_floating_point(target),
+    }
+    for name, given in unsupported.items():
+        if given:
+            raise NotImplementedError(f"hpservice loss_parallel(): cross_entropy with {name} is not supported yet")
+    class_dim = 1 if input.ndim >= 2 else 0
+    shards = [i for i, p in enumerate(input.placements) if p.is_shard() and p.dim == class_dim]
+    others = [p for i, p in enumerate(input.placements) if i not in shards and not p.is_replicate()]
+    if len(shards) != 1 or others:
+        raise NotImplementedError(
+            f"hpservice loss_parallel(): the logits must be sharded on the class dim ({class_dim}) on exactly one mesh "
+            f"dim and replicated on the others, got {tuple(input.placements)}"
+        )
+    logits = input.movedim(class_dim, -1) if input.ndim > 2 else input
+    loss = vocab_parallel_cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    mesh = input.device_mesh
+    return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, shape=loss.shape, stride=loss.stride())
 
 
 def vocab_parallel_cross_entropy(
