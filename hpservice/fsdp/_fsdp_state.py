@@ -69,6 +69,8 @@ class FSDPState:
         self._post_order: list[FSDPState] = []  # post-forward order, reversed: backward prefetch
         self._order_recorded = False
         self._callback_queued = False
+        # set_is_last_backward: kept as torch keeps it; every backward completes its reductions
+        self.is_last_backward = True
         for m in modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)

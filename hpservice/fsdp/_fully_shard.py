@@ -123,6 +123,15 @@ class FSDPModule:
         for g in self._fsdp_groups(recurse):
             g.requires_gradient_sync = requires_gradient_sync
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of a step (micro-batching). torch's FSDP may leave
+        the last reductions of a non-last backward in flight, to overlap them with the next
+        micro-batch; ours completes them at the end of every backward, so the gradients after the
+        last backward are the same either way, and correct between micro-batches too. The setting
+        is kept (``is_last_backward``), as torch keeps it, until set again."""
+        _check_bool("set_is_last_backward", is_last_backward)
+        self._fsdp_state.is_last_backward = is_last_backward
+
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False skips the all-reduce over the replicate dim (reduce-scattered gradients
         accumulate locally and the next all-reduce reduces their sum)."""

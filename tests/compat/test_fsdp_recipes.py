@@ -373,3 +373,38 @@ def _check_late_unshard_wait():
 
 def test_a_late_unshard_wait_is_a_no_op_and_training_equals_one_process(ranks):
     ranks(2).run(_check_late_unshard_wait)
+
+
+# ---- micro-batching with set_is_last_backward -------------------------------------------------------
+
+
+def _check_is_last_backward_microbatches():
+    """torch's micro-batching recipe: ``set_is_last_backward(False)`` before every micro-batch's
+    backward but the last; gradients after the last equal torch's and one process's."""
+    t_mesh, t_fully_shard, _, _ = _torch_api()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grads = []
+    for shard_fn, mesh in ((None, None), (fully_shard, init_device_mesh("cpu", (world,))), (t_fully_shard, t_mesh("cpu", (world,)))):
+        torch.manual_seed(0)
+        model = MLP()
+        if shard_fn is not None:
+            _shard_blocks(model, shard_fn, mesh)
+        micro = 3
+        for k in range(micro):
+            x, y = batch(k, world, per_rank=2)
+            if shard_fn is not None:
+                x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+                model.set_is_last_backward(k == micro - 1)
+            (nn.functional.mse_loss(model(x), y) / micro).backward()
+        grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=f"ours vs one process: {name}")
+        torch.testing.assert_close(grads[2][name], grads[0][name], msg=f"torch vs one process: {name}")
+    with pytest.raises(TypeError):
+        model_ours = _shard_blocks(MLP(), fully_shard, init_device_mesh("cpu", (world,)))
+        model_ours.set_is_last_backward("yes")
+    return True
+
+
+def test_set_is_last_backward_microbatches_accumulate_as_torch(ranks):
+    ranks(2).run(_check_is_last_backward_microbatches)
