@@ -614,3 +614,54 @@ def test_factories_give_torchs_layouts_and_values(ranks):
         for key in mine:
             assert mine[key] == theirs[key], (key, mine[key], theirs[key])
         assert same_draw
+
+
+# ---- norms over a dim, F.normalize, scatter_add: values, layouts, gradients ----------------------------
+
+
+def _check_norms_and_scatter_add():
+    import torch.nn.functional as F
+
+    world = dist.get_world_size()
+    full = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))  # 5 rows: uneven
+    idx = torch.tensor([[0, 1, 2, 0, 1, 2]] * 5)
+    src = torch.ones(5, 6)
+    norms = {
+        "F.normalize(dim=1)": lambda z: F.normalize(z, dim=1),
+        "F.normalize(dim=0)": lambda z: F.normalize(z, dim=0),
+        "norm(dim=0)": lambda z: z.norm(dim=0),
+        "vector_norm(inf, dim=1)": lambda z: torch.linalg.vector_norm(z, float("inf"), dim=1),
+        "vector_norm(1, dim=(0, 1), keepdim)": lambda z: torch.linalg.vector_norm(z, 1, dim=(0, 1), keepdim=True),
+    }
+    results = []
+    for api, mesh in _both(world):
+        out = {}
+        for placement in (api.Shard(0), api.Shard(1), api.Replicate()):
+            for name, op in norms.items():
+                x = api.distribute_tensor(full, mesh, [placement]).requires_grad_()
+                y = op(x)
+                y.sum().backward()
+                layout = _names(y.placements) if name.startswith("F.") or placement == api.Replicate() else None
+                out[(name, _names([placement]))] = (layout, y.full_tensor().detach(), x.grad.full_tensor())
+            for dim in (0, 1):
+                for ip in (api.Shard(0), api.Shard(1), api.Replicate()):
+                    x = api.distribute_tensor(full, mesh, [placement]).requires_grad_()
+                    s = api.distribute_tensor(src, mesh, [ip]).requires_grad_()
+                    i = api.distribute_tensor(idx % 5 if dim == 0 else idx, mesh, [ip])
+                    y = x.scatter_add(dim, i, s)
+                    (y * y).sum().backward()
+                    key = (f"scatter_add({dim})", _names([placement]), _names([ip]))
+                    out[key] = (_names(y.placements), y.full_tensor().detach(), x.grad.full_tensor(), s.grad.full_tensor())
+        results.append(out)
+    return results
+
+
+def test_norms_over_a_dim_normalize_and_scatter_add_match_torch(ranks):
+    """Norms over a sharded dim: ours is Replicate where torch leaves its private norm-Partial
+    (the same values once reduced); every other layout, value and gradient is torch's."""
+    for mine, theirs in ranks(2).run(_check_norms_and_scatter_add):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key][0] == theirs[key][0], (key, mine[key][0], theirs[key][0])
+            for a, b in zip(mine[key][1:], theirs[key][1:], strict=True):
+                torch.testing.assert_close(a, b, msg=str(key))

@@ -5,7 +5,9 @@
   ``argmax``, ``sort``, ``topk``) and ops needing the whole dim (``var``/``std``: the global
   mean; ``cumsum``: the running sum) gather the reduced dim first; shards of other dims stay.
 - ``linalg_vector_norm`` / ``_foreach_norm`` of whole tensors: local norms combined over the
-  sharded mesh dims (one all-reduce per set of sharded dims): a replicated 0-d result.
+  sharded mesh dims (one all-reduce per set of sharded dims): a replicated 0-d result. Over some
+  dims (``norm(dim=)``, ``F.normalize``): the same combination over the reduced sharded dims;
+  the other shards stay.
 - ``native_layer_norm`` (+ backward), ``_softmax`` / ``_log_softmax`` (+ backward): dims that are
   not normalised keep their shards (the main output keeps the input's placements); a normalised
   dim that is sharded, or a Partial, is gathered / reduced to Replicate first. ``_fused_rms_norm``
@@ -212,7 +214,7 @@ def _vector_norm_rule(func, args, kwargs) -> Decision:
     single = func is aten.linalg_vector_norm.default
     specs = flat_specs(args)
     if single and (kwargs.get("dim") is not None or (len(args) > 2 and args[2] is not None)):
-        raise RuleError("only whole-tensor norms (dim=None)")
+        return _vector_norm_dims_rule(args, kwargs)
     if kwargs.get("dtype") is not None or (not single and len(args) > 2 and args[2] is not None):
         raise RuleError("the dtype argument is not supported")
     if any(s.has_partial() for s in specs):
@@ -252,6 +254,52 @@ def _local_norms(func, args, kwargs, *, ord_: float, mesh, sharded, single: bool
         value = value.pow(1.0 / ord_)
     outs = list(value.to(local.dtype).unbind(0))
     return outs[0] if single else outs
+
+
+def _vector_norm_dims_rule(args, kwargs) -> Decision:
+    """``vector_norm(x, ord, dim, keepdim)`` over some dims (``x.norm(dim=...)``, ``F.normalize``):
+    shards of the other dims stay (shifted when the dims go); a sharded reduced dim is reduced
+    in place: each rank's sum of ``|x|^p`` over its piece, all-reduced over those mesh dims (max /
+    min for +-inf), then the p-th root, so the result is Replicate there (torch leaves a private
+    norm-Partial placement that reduces to the same values). Partials are reduced first."""
+    x = args[0]
+    ord_ = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dims = _reduce_dims(x, args[2] if len(args) > 2 else kwargs.get("dim"))
+    keepdim = bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False))
+    dtype = kwargs.get("dtype")
+    target = _spec(x, [_R if p.is_partial() else p for p in x.placements], x.shape)
+    _, _, out, shape = _reduction(target, dims, keepdim, None)  # a reduced shard: Replicate
+    out_spec = _spec(x, out, shape)
+    reduced = tuple(i for i, p in enumerate(target.placements) if p.is_shard() and p.dim in dims)
+    if not reduced:
+        return Decision((target,), out_spec)
+    local_fn = functools.partial(
+        _local_norm_dims, ord_=ord_, dims=dims, keepdim=keepdim, dtype=dtype, mesh=x.mesh, reduced=reduced
+    )
+    return Decision((target,), out_spec, local_fn=local_fn)
+
+
+def _local_norm_dims(func, args, kwargs, *, ord_, dims, keepdim, dtype, mesh, reduced):
+    import torch.distributed as dist
+
+    x = args[0]
+    if x.numel() == 0 and ord_ in (float("inf"), float("-inf")):  # an empty piece (uneven shards):
+        shape = [1 if d in dims else n for d, n in enumerate(x.shape) if keepdim or d not in dims]
+        fill = 0.0 if ord_ > 0 else float("inf")  # the identity of its max / min (torch would raise)
+        local = torch.full(shape, fill, dtype=dtype or x.dtype, device=x.device)
+    else:
+        local = torch.linalg.vector_norm(x, ord_, dims, keepdim, dtype=dtype)
+    if ord_ in (float("inf"), float("-inf")):
+        op, value = (dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN), local.clone()
+    elif ord_ == 0:
+        op, value = dist.ReduceOp.SUM, local.clone()
+    else:
+        op, value = dist.ReduceOp.SUM, local.double().pow(ord_)
+    for i in reduced:
+        dist.all_reduce(value, op=op, group=mesh.get_group(i))
+    if op is dist.ReduceOp.SUM and ord_ != 0:
+        value = value.pow(1.0 / ord_)
+    return value.to(local.dtype)
 
 
 # ---- normalisation layers, softmax, losses ----------------------------------------------------------

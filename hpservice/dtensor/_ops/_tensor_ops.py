@@ -191,9 +191,9 @@ def _local_new_empty_strided(func, args, kwargs):
 # ---- scatter / gather / index ---------------------------------------------------------------------
 
 
-@register(aten.scatter.src, aten.scatter.value, aten.gather.default)
+@register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.gather.default)
 def _scatter_rule(func, args, kwargs) -> Decision:
-    """scatter(self, dim, index, src) / gather(self, dim, index): shards of a dim other than
+    """scatter / scatter_add(self, dim, index, src) / gather(self, dim, index): shards of a dim other than
     ``dim`` where every operand has the same size stay (the first one found; the others move to
     it); ``dim`` itself, Partials and everything else are Replicate."""
     x, dim = args[0], args[1] % max(args[0].ndim, 1)
