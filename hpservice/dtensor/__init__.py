@@ -13,6 +13,7 @@ from . import (
 from ._api import DTensor, distribute_tensor
 from ._factories import empty, full, ones, rand, randn, zeros
 from ._layout import DTensorSpec
+from ._module_api import distribute_module
 from ._redistribute import plan_redistribution
 from .device_mesh import DeviceMesh, init_device_mesh
 from .placement_types import Partial, Placement, Replicate, Shard
@@ -25,6 +26,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "full",

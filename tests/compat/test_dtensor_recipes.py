@@ -665,3 +665,73 @@ def test_norms_over_a_dim_normalize_and_scatter_add_match_torch(ranks):
             assert mine[key][0] == theirs[key][0], (key, mine[key][0], theirs[key][0])
             for a, b in zip(mine[key][1:], theirs[key][1:], strict=True):
                 torch.testing.assert_close(a, b, msg=str(key))
+
+
+# ---- distribute_module (torch's documented recipe) --------------------------------------------------------
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 6)
+        self.register_buffer("scale", torch.full((6,), 0.5))
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) * self.scale
+
+
+def _recipe_fns(api):
+    """torch's docs recipe: shard every Linear's parameters on dim 0, replicate the inputs."""
+
+    def shard_params(name, mod, mesh):
+        if isinstance(mod, nn.Linear):
+            for key, param in mod.named_parameters():
+                mod.register_parameter(key, nn.Parameter(api.distribute_tensor(param, mesh, [api.Shard(0)])))
+
+    def input_fn(mod, inputs, mesh):
+        return tuple(api.distribute_tensor(i, mesh, [api.Replicate()]) for i in inputs)
+
+    return shard_params, input_fn
+
+
+def _check_distribute_module():
+    import warnings
+
+    world = dist.get_world_size()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    out = []
+    for api, mesh in _both(world):
+        shard_params, input_fn = _recipe_fns(api)
+
+        def output_fn(mod, outputs, mesh):
+            return outputs.full_tensor()
+
+        torch.manual_seed(0)
+        model = api.distribute_module(_WithBuffer(), mesh, shard_params, input_fn, output_fn)
+        y = model(x)
+        y.sum().backward()
+        layouts = {n: (type(p).__name__, _names(p.placements)) for n, p in [*model.named_parameters(), *model.named_buffers()]}
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        with pytest.raises(RuntimeError, match="should only be called once"):
+            api.distribute_module(model, mesh)
+        with pytest.raises(ValueError, match="input_fn should take in 3 arguments, but got 1"):
+            api.distribute_module(_WithBuffer(), mesh, input_fn=lambda inputs: inputs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            api.distribute_module(_WithBuffer(), mesh, output_fn=lambda outputs, mesh: outputs)
+        replicated = api.distribute_module(_WithBuffer(), mesh)  # no partition_fn: everything replicated
+        out.append((type(y).__name__, y.detach(), layouts, grads, [type(w.message).__name__ for w in caught],
+                    {n: _names(p.placements) for n, p in replicated.named_parameters()}))  # fmt: skip
+    return out
+
+
+def test_distribute_module_follows_torchs_recipe(ranks):
+    for mine, theirs in ranks(2).run(_check_distribute_module):
+        assert mine[0] == theirs[0] == "Tensor"
+        torch.testing.assert_close(mine[1], theirs[1])
+        assert mine[2] == {k: ("Parameter" if v[0] == "Parameter" else "DTensor", v[1]) for k, v in theirs[2].items()}, (mine[2], theirs[2])
+        for name in theirs[3]:
+            torch.testing.assert_close(mine[3][name], theirs[3][name], msg=name)
+        assert mine[4] == theirs[4] == ["FutureWarning"]
+        assert mine[5] == theirs[5]
