@@ -231,6 +231,20 @@ def _check_view_writes():
     x.view(-1).mul_(2)
     tx.view(-1).mul_(2)
     assert x.full_tensor().tolist() == tx.full_tensor().tolist() == [2.0 * i for i in range(8)]
+    # through views that merge or split the sharded dim (even shards): as torch, the writes land
+    for recipe in (lambda v: v.view(-1).add_(1), lambda v: v.view(8, 3).mul_(2), lambda v: v.view(4, 3, 2).mul_(2)):
+        a = ours.distribute_tensor(torch.arange(24.0).reshape(4, 6), mesh, [S(0)])
+        ta = t.distribute_tensor(torch.arange(24.0).reshape(4, 6), t_mesh, [t.Shard(0)])
+        recipe(a)
+        recipe(ta)
+        assert a.full_tensor().tolist() == ta.full_tensor().tolist() != torch.arange(24.0).reshape(4, 6).tolist()
+    flat = ours.distribute_tensor(torch.arange(24.0), mesh, [S(0)])
+    flat.view(4, 6).mul_(2)  # a split whose outer part takes the shard
+    assert flat.full_tensor().tolist() == [2.0 * i for i in range(24)]
+    # uneven shards do not line up with the merged dim's chunks: gathered, so a write raises
+    uneven = ours.distribute_tensor(torch.arange(30.0).reshape(5, 6), mesh, [S(0)])
+    with pytest.raises(NotImplementedError, match="not a view of its input"):
+        uneven.view(-1).add_(1)
     y = ours.distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [S(1)])
     with pytest.raises(NotImplementedError, match="not a view of its input"):
         y.view(-1).mul_(2)  # S(1) must be gathered for view(-1): the write would be lost

@@ -215,7 +215,7 @@ def _check_cross_entropy(world):
                 if reduction == "none":
                     assert out.placements == (pl,)
                 else:
-                    assert out.placements == ((R,) if pl == R else (P,))
+                    assert out.placements == ((R,) if pl == R else (P,)), (pl, reduction, out.placements)
             flat, tf = logits.flatten(0, 1), t.flatten()
             for pls in ([[Shard(0)], [Shard(0)]], [[Shard(0)], [R]], [[R], [Shard(0)]]):
                 out = _compare(ce2, [flat, tf], pls, mesh)

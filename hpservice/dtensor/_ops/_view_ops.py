@@ -48,9 +48,10 @@ def _resolve_size(shape: tuple[int, ...], size) -> tuple[int, ...]:
 
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view_rule(func, args, kwargs) -> Decision:
-    """A sharded dim stays sharded when it maps one-to-one onto an output dim of the same size at
-    the same position in the flattened layout ([B,S,H] S(2) <-> [B*S,H] S(1)); other sharded dims
-    are gathered first (correct, slower)."""
+    """A sharded dim stays sharded when it maps onto an output dim at the same position in the
+    flattened layout: one-to-one ([B,S,H] S(2) <-> [B*S,H] S(1)), or, for even shards, as the
+    outermost part of a merge or a split (``_view_map``, as torch's view rule); other sharded dims
+    are gathered first (correct, slower; a write through such a view raises)."""
     x = args[0]
     out_shape = _resolve_size(x.shape, args[1])
     if math.prod(out_shape) != math.prod(x.shape):
@@ -65,9 +66,10 @@ def _view_rule(func, args, kwargs) -> Decision:
                 "across two contiguous subspaces). Use .reshape(...) instead."
             )
     target, out = [], []
-    for p in x.placements:
+    for i, p in enumerate(x.placements):
         if p.is_shard():
-            e = _view_map(x.shape, out_shape, p.dim)
+            alone = sum(q.is_shard() and q.dim == p.dim for q in x.placements) == 1
+            e = _view_map(x.shape, out_shape, p.dim, x.mesh.size(i) if alone else None)
             if e is None:
                 target.append(_R)
                 out.append(_R)
@@ -103,11 +105,28 @@ def _viewable(shape: tuple[int, ...], stride: tuple[int, ...], new_shape: tuple[
     return view_d == -1
 
 
-def _view_map(shape, out_shape, d: int) -> int | None:
+def _view_map(shape, out_shape, d: int, ranks: int | None) -> int | None:
+    """The output dim a shard of input dim ``d`` becomes, or None (gather it first). Always when
+    an output dim of the same size starts at the same flattened position; with ``ranks`` (the one
+    mesh dim sharding ``d`` has that many ranks) also where ``d`` is the outermost part of a merged
+    output dim (``[4, 6] S(0) -> [24] S(0)``) or an output dim is the outermost part of ``d``
+    (``[24] S(0) -> [4, 6] S(0)``), when the shards are even: then each rank's piece is exactly
+    its ``torch.chunk`` of the output dim, so the view aliases it (and writes through it land)."""
     before = math.prod(shape[:d])
     for e, size in enumerate(out_shape):
-        if size == shape[d] and math.prod(out_shape[:e]) == before:
+        if math.prod(out_shape[:e]) != before:
+            continue
+        if size == shape[d]:
             return e
+        if size == 1:  # a size-1 dim inserted at this position ([B, V, S] -> [B, V, 1, S]): look past it
+            continue
+        if ranks is None or size == 0 or shape[d] == 0:
+            return None
+        if size % shape[d] == 0 and shape[d] % ranks == 0:  # d merged with dims inside it
+            return e
+        if shape[d] % size == 0 and size % ranks == 0:  # d split, e its outermost part
+            return e
+        return None
     return None
 
 
