@@ -68,17 +68,22 @@ def test_prepare_data_writes_uint32_splits_with_llama3_bos_and_eos(tmp_path, cap
     assert "needs uint32 tokens: name the file *.u32.bin" in capsys.readouterr().err
 
 
+def _text_job(tmp_path, **sections):
+    """2 steps of a tiny llama with the 70,003-token vocabulary on a text file it tokenizes."""
+    from tests._jobs import tiny_llama_job
+
+    (tmp_path / "corpus.txt").write_text(" ".join(DOCS * 4))
+    data = {"kind": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": str(tmp_path / "tokenizer.json"), "seq_len": 16}
+    return tiny_llama_job(
+        tmp_path / "run", data=data, model={"overrides": {"vocab_size": WORDS + 3}}, training={"steps": 2}, **sections
+    )
+
+
 def test_a_text_job_with_a_large_vocabulary_tokenizes_into_uint32_and_trains(ranks, tmp_path):
-    from tests._jobs import tiny_llama_job, train
+    from tests._jobs import train
 
     llama3_style_tokenizer(tmp_path / "tokenizer.json")
-    (tmp_path / "corpus.txt").write_text(" ".join(DOCS * 4))
-    spec = tiny_llama_job(
-        tmp_path / "run",
-        data={"kind": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": str(tmp_path / "tokenizer.json"), "seq_len": 16},
-        model={"overrides": {"vocab_size": WORDS + 3}},
-        training={"steps": 2},
-    )
+    spec = _text_job(tmp_path)
     history = ranks(1).run(train, spec)[0]
     assert len(history) == 2 and all(np.isfinite(r["loss"]) for r in history)
     (cache,) = (tmp_path / "run").glob("t-*/data/corpus.txt.*.bin")
@@ -113,17 +118,9 @@ def test_an_export_carries_the_tokenizer_and_transformers_generates_what_we_gene
     from hpservice.models.generate import generate
     from hpservice.models.hf import export_checkpoint_hf
     from hpservice.models.hf_text import stop_ids
-    from tests._jobs import tiny_llama_job
 
     tok = llama3_style_tokenizer(tmp_path / "tokenizer.json")
-    (tmp_path / "corpus.txt").write_text(" ".join(DOCS * 4))
-    spec = tiny_llama_job(
-        tmp_path / "run",
-        data={"kind": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": str(tmp_path / "tokenizer.json"), "seq_len": 16},
-        model={"overrides": {"vocab_size": WORDS + 3}},
-        training={"steps": 2},
-        checkpoint={"interval": 2},
-    )
+    spec = _text_job(tmp_path, checkpoint={"interval": 2})
     checkpoint = ranks(1).run(_train_and_checkpoint, spec)[0]
     out = tmp_path / "export"
     done = export_checkpoint_hf(checkpoint, out)

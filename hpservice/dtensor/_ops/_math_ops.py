@@ -227,17 +227,31 @@ def _vector_norm_rule(func, args, kwargs) -> Decision:
     return Decision(tuple(specs), scalar if single else (scalar,) * len(specs), local_fn=local_fn)
 
 
+def _norm_terms(local: torch.Tensor, ord_: float):
+    """(the all-reduce op, what it reduces) that combines local ``ord_``-norms into the global one:
+    max / min of the norms for +-inf, the sum of the counts for 0, else the sum of ``norm^p``
+    (in float64: the p-th powers of many pieces)."""
+    import torch.distributed as dist
+
+    if ord_ in (float("inf"), float("-inf")):
+        return (dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN), local.clone()
+    if ord_ == 0:
+        return dist.ReduceOp.SUM, local.clone()
+    return dist.ReduceOp.SUM, local.double().pow(ord_)
+
+
+def _norm_from_terms(value: torch.Tensor, op, ord_: float) -> torch.Tensor:
+    import torch.distributed as dist
+
+    return value.pow(1.0 / ord_) if op is dist.ReduceOp.SUM and ord_ != 0 else value
+
+
 def _local_norms(func, args, kwargs, *, ord_: float, mesh, sharded, single: bool):
     import torch.distributed as dist
 
     tensors = [args[0]] if single else list(args[0])
     local = torch.stack([torch.linalg.vector_norm(t, ord_) for t in tensors])
-    if ord_ in (float("inf"), float("-inf")):
-        op, value = (dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN), local.clone()
-    elif ord_ == 0:
-        op, value = dist.ReduceOp.SUM, local.clone()
-    else:
-        op, value = dist.ReduceOp.SUM, local.double().pow(ord_)
+    op, value = _norm_terms(local, ord_)
     # One all-reduce per (set of sharded mesh dims, mesh dim), whatever the number of tensors.
     by_dims: dict[tuple[int, ...], list[int]] = {}
     for j, dims in enumerate(sharded):
@@ -250,8 +264,7 @@ def _local_norms(func, args, kwargs, *, ord_: float, mesh, sharded, single: bool
         for i in dims:
             dist.all_reduce(part, op=op, group=mesh.get_group(i))
         value[index] = part
-    if op is dist.ReduceOp.SUM and ord_ != 0:
-        value = value.pow(1.0 / ord_)
+    value = _norm_from_terms(value, op, ord_)
     outs = list(value.to(local.dtype).unbind(0))
     return outs[0] if single else outs
 
@@ -289,16 +302,10 @@ def _local_norm_dims(func, args, kwargs, *, ord_, dims, keepdim, dtype, mesh, re
         local = torch.full(shape, fill, dtype=dtype or x.dtype, device=x.device)
     else:
         local = torch.linalg.vector_norm(x, ord_, dims, keepdim, dtype=dtype)
-    if ord_ in (float("inf"), float("-inf")):
-        op, value = (dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN), local.clone()
-    elif ord_ == 0:
-        op, value = dist.ReduceOp.SUM, local.clone()
-    else:
-        op, value = dist.ReduceOp.SUM, local.double().pow(ord_)
+    op, value = _norm_terms(local, ord_)
     for i in reduced:
         dist.all_reduce(value, op=op, group=mesh.get_group(i))
-    if op is dist.ReduceOp.SUM and ord_ != 0:
-        value = value.pow(1.0 / ord_)
+    value = _norm_from_terms(value, op, ord_)
     return value.to(local.dtype)
 
 
