@@ -20,4 +20,6 @@ def test_the_finetune_example_runs_end_to_end(tmp_path):
     assert [r["step"] for r in records if "val_loss" in r] == [20]  # eval interval 20: once, at the end
     exported = tmp_path / "runs" / "finetune-example" / "finetuned-hf"
     assert (exported / "config.json").is_file() and list(exported.glob("model-*.safetensors"))
-    assert out.stdout.rstrip().splitlines()[-1].startswith("The trainer")  # the generation
+    # the generation: the prompt, then what the model wrote (any text: the tokenizer is trained on
+    # the repository's docs, so the words, and the newlines among them, change as the docs do)
+    assert "\nThe trainer" in out.stdout, out.stdout[-2000:]
