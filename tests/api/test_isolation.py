@@ -204,6 +204,16 @@ def test_tracking_sinks_stay_inside_the_job(tmp_path):
         assert ok.status_code == 201, ok.text
 
 
+def test_a_tenant_cannot_ship_code_with_its_job(tmp_path):
+    """``runtime.py_modules`` / ``working_dir`` would make Ray upload a directory of the server's
+    disk into every worker and import it: refused, for admins too; nothing is stored."""
+    with _client(tmp_path) as c:
+        for runtime in ({"py_modules": [str(tmp_path)]}, {"working_dir": "/etc"}):
+            field = f"runtime.{next(iter(runtime))}"
+            _rejected(c, _spec(runtime=runtime), field, "not allowed on this server")
+            _rejected(c, _spec(runtime=runtime), field, "not allowed on this server", token=ADMIN)
+
+
 def test_a_tenant_cannot_raise_its_own_priority_above_what_the_operator_allows(tmp_path):
     """A self-assigned priority would preempt every other owner's jobs: a job may ask for at most
     its owner's priority from the quotas file (0 without one); admins may ask for any."""

@@ -164,3 +164,16 @@ def test_an_imported_models_limits_and_stop_tokens_survive_its_fine_tune(tmp_pat
     first = generate(model, [1, 5], 8)
     stop = first[2]
     assert generate(model, [1, 5], 8, stop_ids={stop})[-1] == stop and len(generate(model, [1, 5], 8, stop_ids={stop})) <= 3
+
+
+def test_an_export_writes_only_tokenizer_files_whatever_a_checkpoint_records(tmp_path):
+    """A crafted checkpoint's text record names files: only the tokenizer files' own names are
+    written, inside the export; a path never is."""
+    from hpservice.models.hf_text import write_text_files
+
+    out = tmp_path / "export"
+    out.mkdir()
+    absolute = str(tmp_path / "abs.txt")
+    record = {"files": {"tokenizer.json": "{}", "../escaped.txt": "x", absolute: "y", "config.json": "z"}}
+    assert write_text_files(record, out) == ["tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["tokenizer.json"]
