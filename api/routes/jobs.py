@@ -314,7 +314,7 @@ async def export_checkpoint(
     """Export one of the job's committed checkpoints in Hugging Face format, into
     ``<job dir>/exports/step-N-hf`` (replaced if it exists); loadable by transformers'
     ``from_pretrained``. Runs off the event loop."""
-    from hpservice.checkpoint import CheckpointError
+    from hpservice.checkpoint import CheckpointError, step_dir_name
     from hpservice.models.hf import HFFormatError, export_checkpoint_hf
 
     job_id = job["id"]
@@ -323,7 +323,7 @@ async def export_checkpoint(
         steps = [c.get("step") for c in job["checkpoints"]]
         raise APIError(404, f"job {job_id} has no committed checkpoint of step {step} (it has {steps})")
     home = job_dir(settings, job["owner"], job_id)
-    out = home / "exports" / f"step-{step:08d}-hf"
+    out = home / "exports" / f"{step_dir_name(step)}-hf"
     try:
         done = await asyncio.to_thread(export_checkpoint_hf, found[-1]["path"], out)
     except (HFFormatError, CheckpointError, OSError, ValueError) as e:

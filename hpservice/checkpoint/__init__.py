@@ -14,6 +14,7 @@ see ``_storage``).
 from ._errors import CheckpointError, CheckpointStorageError, UnsafeCheckpointError
 from ._export import export_safetensors, load_full_state_dict
 from ._manager import CheckpointInfo, CheckpointManager
+from ._names import step_dir_name, step_of
 from ._reader import CheckpointReader, verify_files
 from ._state import load_optimizer_state_dict, optimizer_state_dict
 
@@ -28,5 +29,7 @@ __all__ = [
     "load_full_state_dict",
     "load_optimizer_state_dict",
     "optimizer_state_dict",
+    "step_dir_name",
+    "step_of",
     "verify_files",
 ]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import time
@@ -58,6 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hpservice.dtensor import DTensor
 
 from ._errors import CheckpointError, CheckpointStorageError
+from ._names import step_dir_name, step_of
 from ._reader import CheckpointReader, check_shapes, sha256_of, single_process_quiet, verify_files
 from ._state import optimizer_state_dict
 from ._storage import MANIFEST, FsspecStorage, is_remote, local_path
@@ -72,7 +72,6 @@ __all__ = [
     "verify_files",
 ]
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 FORMAT_VERSION = 1
 
 
@@ -238,7 +237,7 @@ class CheckpointManager:
         info = self.latest() if _rank() == 0 or self._group is None else None
         step = self._broadcast(None if info is None else info["step"])
         if step is not None and self._remote is None:
-            blind = self._ranks_without((self.root / f"step-{step:08d}" / MANIFEST).is_file())
+            blind = self._ranks_without((self.root / step_dir_name(step) / MANIFEST).is_file())
             if blind:
                 raise CheckpointStorageError(
                     f"rank 0 resumes from step {step} under {self.root}, but {blind} cannot see that checkpoint: "
@@ -257,9 +256,8 @@ class CheckpointManager:
         else:
             found = []
             for entry in self.root.iterdir():
-                m = _STEP_DIR.match(entry.name)
                 manifest = entry / MANIFEST
-                if not m or not manifest.is_file():
+                if step_of(entry.name) is None or not manifest.is_file():
                     continue
                 found.append((str(entry), json.loads(manifest.read_text())))
         for path, data in found:
@@ -329,8 +327,8 @@ class CheckpointManager:
     def _write_and_commit(self, step: int, state: dict, extra: dict, metrics: dict) -> None:
         if self._remote is not None:
             return self._write_and_commit_remote(step, state, extra, metrics)
-        final = self.root / f"step-{step:08d}"
-        tmp = self.root / f"step-{step:08d}.tmp"
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{step_dir_name(step)}.tmp"
         if _rank() == 0:
             self._remove_incomplete()
             tmp.mkdir(parents=True)
@@ -388,7 +386,7 @@ class CheckpointManager:
 
     def _write_and_commit_remote(self, step: int, state: dict, extra: dict, metrics: dict) -> None:
         """The object-store protocol: write under ``step-N/``, the manifest last (see ``_storage``)."""
-        name = f"step-{step:08d}"
+        name = step_dir_name(step)
         if _rank() == 0:
             self._remove_incomplete()
             self._remote.begin(name)
@@ -434,7 +432,7 @@ class CheckpointManager:
         if self._remote is not None:
             return self._remote.remove_incomplete()
         for entry in self.root.iterdir():
-            ours = entry.is_dir() and _STEP_DIR.match(entry.name.removesuffix(".tmp"))
+            ours = entry.is_dir() and step_of(entry.name.removesuffix(".tmp")) is not None
             if ours and (entry.name.endswith(".tmp") or not (entry / MANIFEST).exists()):
                 shutil.rmtree(entry, ignore_errors=True)
 
@@ -453,11 +451,11 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int):
             raise CheckpointError(f"step must be an int or 'latest', got {step!r}")
         if self._remote is not None:
-            name = f"step-{step:08d}"
+            name = step_dir_name(step)
             committed = self._remote.manifest(name) is not None
             path = self._remote.location(name)
         else:
-            path = self.root / f"step-{step:08d}"
+            path = self.root / step_dir_name(step)
             committed = (path / MANIFEST).is_file()
         if not committed:
             available = [c["step"] for c in self.list()]

@@ -39,18 +39,17 @@ import io
 import json
 import os
 import posixpath
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ._errors import CheckpointError
+from ._names import step_of
 
 __all__ = ["FsspecStorage", "is_remote", "local_path"]
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _LOCAL_PROTOCOLS = ("file", "local")
 
 
@@ -96,7 +95,7 @@ class FsspecStorage:
     def name_of(self, location: str) -> str | None:
         """``step-N`` if ``location`` is a checkpoint URL under this root, else None."""
         head, _, name = str(location).rstrip("/").rpartition("/")
-        return name if head == self.url and _STEP_DIR.match(name) else None
+        return name if head == self.url and step_of(name) is not None else None
 
     def _path(self, *parts: str) -> str:
         return "/".join((self.base, *parts))
@@ -124,7 +123,7 @@ class FsspecStorage:
         """(name, manifest) of every committed checkpoint, in name order."""
         out = []
         for name in self.names():
-            if _STEP_DIR.match(name):
+            if step_of(name) is not None:
                 manifest = self.manifest(name)
                 if manifest is not None:
                     out.append((name, manifest))
@@ -170,7 +169,7 @@ class FsspecStorage:
 
     def remove_incomplete(self) -> None:
         for name in self.names():
-            if not _STEP_DIR.match(name.removesuffix(".tmp")):
+            if step_of(name.removesuffix(".tmp")) is None:
                 continue
             if name.endswith(".tmp") or self.manifest(name) is None:
                 self.remove(name)

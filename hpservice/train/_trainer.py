@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hpservice.checkpoint import CheckpointManager, CheckpointReader
+from hpservice.checkpoint import CheckpointManager, CheckpointReader, step_dir_name, step_of
 from hpservice.data import build_source
 from hpservice.dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor, init_device_mesh
 from hpservice.dtensor import random as dtensor_random
@@ -466,7 +466,7 @@ class Trainer:
             extra = self.checkpoints.load(self.model, self.optimizer)
         else:
             name = resume_from.rstrip("/").rpartition("/")[2]  # a path or a URL: .../step-N
-            if not name.startswith("step-") or not name.removeprefix("step-").isdigit():
+            if step_of(name) is None:
                 raise TrainingError(
                     f"checkpoint.resume_from: expected 'latest' or a .../step-N directory, got {resume_from!r}"
                 )
@@ -502,7 +502,7 @@ class Trainer:
         if self.rank == 0 and self.on_checkpoint is not None and self._uncommitted:
             kept = [c["step"] for c in self.checkpoints.list()]
             for info in self._uncommitted:
-                path = f"{self.spec.checkpoint.dir.rstrip('/')}/step-{info['step']:08d}"  # a path or a URL
+                path = f"{self.spec.checkpoint.dir.rstrip('/')}/{step_dir_name(info['step'])}"  # a path or a URL
                 self.on_checkpoint({**info, "path": path, "kept": kept})
         self._uncommitted.clear()
 
