@@ -1,7 +1,8 @@
 """hpservice.train: the training runtime of a job (also runs alone: torchrun -m hpservice.train job.yaml)."""
 
+from ._errors import TrainingError
 from ._grad_norm import clip_grad_norm_
-from ._trainer import Trainer, TrainingError, apply_fsdp, apply_tp, build_mesh, init_distributed, lr_lambda
+from ._trainer import Trainer, apply_fsdp, apply_tp, build_mesh, init_distributed, lr_lambda
 
 __all__ = [
     "Trainer",

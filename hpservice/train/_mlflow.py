@@ -13,7 +13,20 @@ from pathlib import Path
 
 from hpservice.spec import JobSpec
 
-_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "val_loss", "val_ppl", "mfu", "peak_memory_allocated_gib", "peak_rss_gib")
+from ._errors import TrainingError
+
+_METRICS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "val_loss",
+    "val_ppl",
+    "mfu",
+    "peak_memory_allocated_gib",
+    "peak_rss_gib",
+)
 
 
 def _flat(data: dict, prefix: str = "") -> dict[str, str]:
@@ -32,8 +45,6 @@ class MLflowSink:
         try:
             import mlflow
         except ImportError as e:
-            from ._trainer import TrainingError
-
             raise TrainingError("metrics.mlflow needs the mlflow package (pip install mlflow-skinny)") from e
         cfg = spec.metrics.mlflow
         uri = cfg.tracking_uri
@@ -59,9 +70,7 @@ class MLflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [
-            Metric(k, float(record[k]), now, record["step"]) for k in _METRICS if record.get(k) is not None
-        ]
+        metrics = [Metric(k, float(record[k]), now, record["step"]) for k in _METRICS if record.get(k) is not None]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def close(self, status: str = "FINISHED") -> None:

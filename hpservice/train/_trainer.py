@@ -39,7 +39,9 @@ from hpservice.spec import JobSpec, new_run_id
 
 from ._activation_checkpointing import apply_activation_checkpointing
 from ._compile import apply_compile, check_compile_available
+from ._errors import TrainingError
 from ._grad_norm import clip_grad_norm_
+from ._metrics import MetricSink, build_sinks
 from ._profile import StepProfiler
 from ._utilisation import Utilisation
 
@@ -48,12 +50,9 @@ log = logging.getLogger("hpservice.train")
 MetricsCallback = Callable[[dict], None]
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. a non-finite loss)."""
-
-
 # ---- parallelism: small functions, as torchtitan applies them ---------------------------------
 DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"  # the world mesh's dim names, outer to inner
+
 
 def init_distributed(device_type: str) -> bool:
     """Join torch.distributed from env:// (torchrun, Ray workers), or make a world of one.
@@ -202,7 +201,9 @@ def _check_token_metadata(path: str, vocab: int | None) -> None:
             f"larger than the model's {vocab}"
         )
     if resolve_token_dtype(path).name != meta["dtype"]:
-        raise TrainingError(f"data.path {path}: holds {meta['dtype']} tokens but would be read as {resolve_token_dtype(path).name}")
+        raise TrainingError(
+            f"data.path {path}: holds {meta['dtype']} tokens but would be read as {resolve_token_dtype(path).name}"
+        )
 
 
 _FREEZE_ALIASES = {"embeddings": ("tok_embeddings.*",), "output": ("output.*",), "norm": ("norm.*",)}
@@ -386,21 +387,8 @@ class Trainer:
                 self._resume(c.resume_from)
         if reported_up_to is not None and self.rank == 0 and self.on_metrics is not None:
             self._report_earlier_steps(reported_up_to)
-        self._metrics_file = None
-        if self.rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
-        self._tb = self._tensorboard() if spec.metrics.tensorboard and self.rank == 0 else None
-        self._mlflow = None
-        if spec.metrics.mlflow is not None and self.rank == 0:
-            from ._mlflow import MLflowSink
-
-            self._mlflow = MLflowSink(spec, self.output_dir)
-        self._wandb = None
-        if spec.metrics.wandb is not None and self.rank == 0:
-            from ._wandb import WandbSink
-
-            self._wandb = WandbSink(spec, self.output_dir)
+        # rank 0's destinations for each step's record besides on_metrics (metrics.jsonl first)
+        self._sinks: list[MetricSink] = build_sinks(spec, self.output_dir) if self.rank == 0 else []
         self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
         self._log_fn = log_fn
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
@@ -436,7 +424,9 @@ class Trainer:
             try:  # every rank reads it: they all stop with the same reason
                 suffix = token_file_suffix(tokenizer_vocab_size(d.tokenizer))  # uint32 files past 65,536 tokens
             except Exception as e:  # tokenizers raises its own exception type
-                raise TrainingError(f"data.tokenizer: {d.tokenizer}: cannot load a tokenizers tokenizer.json ({e})") from e
+                raise TrainingError(
+                    f"data.tokenizer: {d.tokenizer}: cannot load a tokenizers tokenizer.json ({e})"
+                ) from e
             cache = run_dir / "data" / f"{Path(d.path).name}.{_file_key(d.path, d.tokenizer)}{suffix}"
             failure = [None]  # rank 0's error, if any, so every rank stops with it (no rank waits forever)
             if self.rank == 0 and not cache.exists():
@@ -541,7 +531,9 @@ class Trainer:
         if self._profiler.written and not self._profiler_reported:
             self._profiler_reported = True
             if self._log is not None and self.rank == 0:
-                self._log(f"[{self.spec.name}] profiler: wrote {', '.join(p.name for p in self._profiler.written)} (rank 0) under {self._profiler.out_dir}")
+                self._log(
+                    f"[{self.spec.name}] profiler: wrote {', '.join(p.name for p in self._profiler.written)} (rank 0) under {self._profiler.out_dir}"
+                )
         return record
 
     def _train_step(self) -> dict:
@@ -638,16 +630,8 @@ class Trainer:
             return
         if self.on_metrics is not None:
             self.on_metrics(record)
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
-        if self._tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"):
-                if record.get(key) is not None:
-                    self._tb.add_scalar(key, record[key], record["step"])
-        if self._mlflow is not None:
-            self._mlflow.log(record)
-        if self._wandb is not None:
-            self._wandb.log(record)
+        for sink in self._sinks:
+            sink.log(record)
         every = self.spec.metrics.log_every
         if self._log is not None and (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
             self._log(
@@ -670,32 +654,14 @@ class Trainer:
             f"{record['step_time_s'] * 1000:.0f} ms/step  peak memory {memory:.2f} GiB"
         )
 
-    def _tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise TrainingError(
-                "metrics.tensorboard: true needs the tensorboard package (pip install tensorboard)"
-            ) from e
-        return SummaryWriter(str(self.output_dir / "tensorboard"))
-
     def close(self) -> None:
         if self._profiler is not None:
             self._profiler.finish()  # a run that ended inside the profiled steps still gets its trace
         if self.checkpoints is not None:
             self.checkpoints.close()
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-            self._metrics_file = None
-        if self._tb is not None:
-            self._tb.close()
-        if self._mlflow is not None:
-            self._mlflow.close()
-            self._mlflow = None
-        if self._wandb is not None:
-            self._wandb.close()
-            self._wandb = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
         if self._owns_group:
             dist.destroy_process_group()
             self._owns_group = False
-

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from hpservice.spec import JobSpec
 
+from ._errors import TrainingError
+
 _METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "val_loss", "val_ppl")
 
 
@@ -19,8 +21,6 @@ class WandbSink:
         try:
             import wandb
         except ImportError as e:
-            from ._trainer import TrainingError
-
             raise TrainingError("metrics.wandb needs the wandb package (pip install wandb)") from e
         cfg = spec.metrics.wandb
         run_dir.mkdir(parents=True, exist_ok=True)
