@@ -45,8 +45,9 @@ class PlacementPlan:
 
 def shard_group_size(spec) -> int:
     """Ranks in one shard group: ``dp_shard x tp`` (the innermost mesh dims)."""
-    _, dp_shard = spec.parallelism.resolve(spec.resources.workers)
-    return dp_shard * spec.parallelism.tp
+    from hpservice.parallel_dims import ParallelDims
+
+    return ParallelDims.from_spec(spec.parallelism, spec.resources.workers).shard_group_size
 
 
 def worker_resources(spec, gpus: int) -> dict:

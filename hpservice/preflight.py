@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from hpservice.parallel_dims import ParallelDims
 from hpservice.spec import JobSpec, SpecError, did_you_mean
 
 Errors = list[tuple[str, str]]
@@ -48,7 +49,7 @@ def check_layout(spec: JobSpec) -> Errors:
     errors: Errors = []
     workers = spec.resources.workers
     try:
-        replicate, shard = spec.parallelism.resolve(workers)
+        dims = ParallelDims.from_spec(spec.parallelism, workers)
     except SpecError as e:
         message = f"{str(e).removeprefix('parallelism: ')} (resources.workers is {workers})"
         return [("parallelism", message)]
@@ -63,7 +64,7 @@ def check_layout(spec: JobSpec) -> Errors:
         if sizes:
             message += f" (sizes it can shrink to: {', '.join(map(str, sizes))})"
         errors.append(("resources.min_workers", message))
-    dp, accum = replicate * shard, spec.training.grad_accum
+    dp, accum = dims.dp_size, spec.training.grad_accum
     batch = spec.data.global_batch
     if batch % (dp * accum):
         fits = dp * accum

@@ -10,6 +10,8 @@ Sequence parallelism: ``SequenceParallel`` (norms on sequence-sharded activation
 ``PrepareModuleInput`` / ``PrepareModuleOutput`` / ``PrepareModuleInputOutput``.
 """
 
+from hpservice.parallel_dims import ParallelDims
+
 from .api import parallelize_module
 from .loss import loss_parallel, vocab_parallel_cross_entropy
 from .plans import apply_llama_tp, llama_tp_plan
@@ -25,6 +27,7 @@ from .style import (
 
 __all__ = [
     "ColwiseParallel",
+    "ParallelDims",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",

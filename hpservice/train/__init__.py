@@ -2,14 +2,13 @@
 
 from ._errors import TrainingError
 from ._grad_norm import clip_grad_norm_
-from ._trainer import Trainer, apply_fsdp, apply_tp, build_mesh, init_distributed, lr_lambda
+from ._trainer import Trainer, apply_fsdp, apply_tp, init_distributed, lr_lambda
 
 __all__ = [
     "Trainer",
     "TrainingError",
     "apply_fsdp",
     "apply_tp",
-    "build_mesh",
     "clip_grad_norm_",
     "init_distributed",
     "lr_lambda",

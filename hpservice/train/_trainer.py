@@ -1,7 +1,7 @@
 """The training loop of a job. It knows nothing of Ray: it runs under torchrun, in a test's rank
 pool, or inside a Ray worker actor, wherever torch.distributed's env:// variables are set.
 
-Read it top to bottom: ``Trainer.__init__`` builds the mesh ("dp_replicate" x "dp_shard" x "tp"),
+Read it top to bottom: ``Trainer.__init__`` builds the mesh (``ParallelDims``: dp_replicate x dp_shard x tp),
 the model (on the meta device, laid out by tensor parallelism and fully_shard, then each rank
 allocates and initialises only its own pieces), the optimizer, the LR schedule, the data and the
 checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves checkpoints.
@@ -27,14 +27,14 @@ import torch.nn as nn
 
 from hpservice.checkpoint import CheckpointManager, CheckpointReader, step_dir_name, step_of
 from hpservice.data import build_source
-from hpservice.dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor, init_device_mesh
+from hpservice.dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor
 from hpservice.dtensor import random as dtensor_random
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hpservice.inputs import confine, open_input
 from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
 from hpservice.models.hf import load_hf_weights
-from hpservice.parallel import vocab_parallel_cross_entropy
+from hpservice.parallel import ParallelDims, vocab_parallel_cross_entropy
 from hpservice.spec import JobSpec, new_run_id
 
 from ._activation_checkpointing import apply_activation_checkpointing
@@ -51,9 +51,6 @@ MetricsCallback = Callable[[dict], None]
 
 
 # ---- parallelism: small functions, as torchtitan applies them ---------------------------------
-DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"  # the world mesh's dim names, outer to inner
-
-
 def init_distributed(device_type: str) -> bool:
     """Join torch.distributed from env:// (torchrun, Ray workers), or make a world of one.
     Returns True if this call created the process group (the caller destroys it)."""
@@ -77,24 +74,6 @@ def pick_device(spec: JobSpec) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def build_mesh(spec: JobSpec, device: torch.device) -> DeviceMesh:
-    """The world mesh: ("dp_replicate", "dp_shard", "tp"), leaving out dims of size 1 (but always
-    keeping "dp_shard" unless tp covers the whole world). Tensor-parallel ranks are adjacent (the
-    innermost dim), so on a GPU box tp stays within a node."""
-    replicate, shard = spec.parallelism.resolve(dist.get_world_size())
-    tp = spec.parallelism.tp
-    dims = [(DP_REPLICATE, replicate), (DP_SHARD, shard), (TP, tp)]
-    dims = [(n, s) for n, s in dims if s > 1 or (n == DP_SHARD and (tp == 1 or replicate > 1))]
-    names, sizes = zip(*dims, strict=True)
-    return init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(names))
-
-
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The sub-mesh fully_shard shards over (None with tensor parallelism alone)."""
-    names = tuple(n for n in mesh.mesh_dim_names if n in (DP_REPLICATE, DP_SHARD))
-    return mesh[names] if names else None
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
@@ -315,22 +294,21 @@ class Trainer:
             run_id = [new_run_id(spec.name) if self.rank == 0 else None]
             dist.broadcast_object_list(run_id, src=0)
             spec = self.spec = spec.with_run(run_id[0])
-        self.mesh = build_mesh(spec, self.device)
-        self.tp = spec.parallelism.tp > 1
-        self.dp_mesh = data_parallel_mesh(self.mesh)
-        # The data-parallel rank and size of this rank: every tensor-parallel rank sees the same data.
-        self.dp_rank, self.dp_size = (0, 1)
-        if self.dp_mesh is not None:
-            self.dp_size = self.dp_mesh.size()
-            for i in range(self.dp_mesh.ndim):  # row-major over (dp_replicate, dp_shard)
-                self.dp_rank = self.dp_rank * self.dp_mesh.size(i) + self.dp_mesh.get_local_rank(i)
+        # the mesh (dp_replicate x dp_shard x tp), the dims fully_shard shards over, this rank's
+        # data-parallel rank and size: one object (hpservice/parallel/parallel_dims.py)
+        self.parallel_dims = ParallelDims.from_spec(spec.parallelism, self.world)
+        self.mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.tp = self.parallel_dims.tp > 1
+        self.dp_mesh = self.parallel_dims.dp_mesh
+        # every tensor-parallel rank of one data-parallel rank reads the same batch
+        self.dp_rank, self.dp_size = self.parallel_dims.dp_rank, self.parallel_dims.dp_size
 
         # Built on the meta device, laid out (tp, then fully_shard over the dp dims), then each rank
         # allocates and initialises only its own pieces: the full model never exists on one rank.
         m = spec.model
         self.model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
         if self.tp:
-            apply_tp(self.model, self.mesh[TP], spec)
+            apply_tp(self.model, self.parallel_dims.tp_mesh, spec)
         try:  # after tp, before fully_shard (torchtitan's order)
             apply_activation_checkpointing(self.model, spec)
             if spec.training.compile:

@@ -1,0 +1,123 @@
+"""The job's parallel dimensions in one object (torchtitan's ``ParallelDims``).
+
+The world is laid out as one device mesh, outermost dim first::
+
+    dp_replicate x dp_shard x tp        (row-major: tp ranks are adjacent)
+
+- ``dp_replicate``: HSDP replica groups (each holds the whole model; gradients all-reduce
+  across them). May span nodes.
+- ``dp_shard``: the ranks fully_shard shards parameters over (FSDP). With ``tp``, one shard
+  group (``dp_shard x tp`` ranks) is what placement keeps inside a node.
+- ``tp``: tensor parallelism, innermost, so a tensor-parallel group is consecutive ranks.
+
+The data-parallel ranks are ``dp_replicate x dp_shard``: every tensor-parallel rank of one
+data-parallel rank reads the same batch. A new dimension (pipeline, context, expert) is added
+here: its size, its place in the mesh order, whether fully_shard shards over it, and what it
+does to the data-parallel rank; the trainer, placement and preflight read it from here.
+
+It imports no torch until ``build_mesh``: the spec's checks (``hpservice validate``, the API) use
+the sizes without it. ``hpservice.parallel`` re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpservice.dtensor import DeviceMesh
+    from hpservice.spec import ParallelismSpec
+
+__all__ = ["DP_REPLICATE", "DP_SHARD", "TP", "ParallelDims"]
+
+DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"  # the mesh's dim names, outer to inner
+_DATA_PARALLEL = (DP_REPLICATE, DP_SHARD)
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of every dimension for ``world_size`` ranks (their product), and, once
+    ``build_mesh`` ran, the mesh and this rank's place in it."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        sizes = (self.dp_replicate, self.dp_shard, self.tp)
+        if min(sizes) < 1 or self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+            raise ValueError(
+                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} != world size "
+                f"{self.world_size}"
+            )
+
+    @classmethod
+    def from_spec(cls, parallelism: ParallelismSpec, world_size: int) -> ParallelDims:
+        """The job's dims on ``world_size`` ranks (``dp_shard: -1`` takes the rest); raises the
+        spec's SpecError, naming the fields, when they do not multiply to the world."""
+        replicate, shard = parallelism.resolve(world_size)
+        return cls(replicate, shard, parallelism.tp, world_size)
+
+    # ---- sizes: pure, before any process group exists --------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: how many slices each global batch splits into."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks of one shard group, ``dp_shard x tp`` (the innermost dims): placement keeps one
+        inside a node."""
+        return self.dp_shard * self.tp
+
+    @property
+    def mesh_dims(self) -> list[tuple[str, int]]:
+        """(name, size) of the mesh's dims, outer to inner. Dims of size 1 are left out, except
+        ``dp_shard`` unless tp covers the whole world (so fully_shard always has a dim to shard
+        over when there is any data parallelism)."""
+        dims = [(DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (TP, self.tp)]
+        return [(n, s) for n, s in dims if s > 1 or (n == DP_SHARD and (self.tp == 1 or self.dp_replicate > 1))]
+
+    @property
+    def fsdp_dim_names(self) -> tuple[str, ...]:
+        """The mesh dims fully_shard shards over (``(dp_replicate, dp_shard)`` is HSDP); empty
+        with tensor parallelism alone."""
+        return tuple(n for n, _ in self.mesh_dims if n in _DATA_PARALLEL)
+
+    # ---- the mesh: after torch.distributed is initialised ----------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Builds (once) and returns the world mesh on this rank."""
+        if self._mesh is None:
+            from hpservice.dtensor import init_device_mesh
+
+            names, sizes = zip(*self.mesh_dims, strict=True)
+            self._mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        return self._mesh
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh(device_type) has not run on this rank yet")
+        return self._mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The sub-mesh fully_shard shards over (None with tensor parallelism alone)."""
+        names = self.fsdp_dim_names
+        return self.world_mesh[names] if names else None
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.world_mesh[TP] if self.tp > 1 else None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index, row-major over (dp_replicate, dp_shard): which slice
+        of each global batch it reads."""
+        mesh, rank = self.dp_mesh, 0
+        if mesh is not None:
+            for i in range(mesh.ndim):
+                rank = rank * mesh.size(i) + mesh.get_local_rank(i)
+        return rank
