@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hpservice.jobs import COORDINATOR_ENDS, JobState
 
 from . import nodes, placement
-from .policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls, preemption_after_stop
+from .failure_policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls, preemption_after_stop
 from .worker import TrainWorker
 
 METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted

@@ -17,7 +17,7 @@ import ray
 
 from hpservice.launch import free_port, socket_interface
 
-from .policy import WorkerAddress, WorkerPoll
+from .failure_policy import WorkerAddress, WorkerPoll
 
 
 @ray.remote

@@ -6,7 +6,7 @@ The rules, in order:
 
 1. **Priority**: a job's ``scheduling.priority``, else its owner's default (the operator's
    quotas file), else 0. Higher goes first. The owner's default is also the highest a job of
-   theirs may ask for (``api/policy.admit``; admins excepted): a tenant cannot raise its own
+   theirs may ask for (``api/admission.admit``; admins excepted): a tenant cannot raise its own
    priority to preempt others.
 2. **Quota**: an owner's running workers (and GPUs) plus the job's must stay within the
    operator's quota for that owner (or ``*``, everyone's); a job that would exceed it waits,

@@ -45,7 +45,7 @@ class Settings:
     tokens: dict[str, Principal] = field(default_factory=dict)
     poll_interval_s: float = 0.5
     dashboard_url: str | None = None
-    # What job specs may name (api/policy.py): model factories besides the built-ins and the
+    # What job specs may name (api/admission.py): model factories besides the built-ins and the
     # hpservice.models entry points, and the directories input files may come from.
     model_factories: tuple[str, ...] = field(default_factory=lambda: _env_list("HPSERVICE_MODEL_FACTORIES", ","))
     data_roots: tuple[Path, ...] = field(

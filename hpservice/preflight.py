@@ -11,7 +11,7 @@ the job is handed over, and each names the field, the value and what would work:
   ``validate``, ``run``, ``submit`` and the API all run it.
 - ``check_model``: a ``package.module:factory`` imports here and builds on the meta device
   (nothing is allocated). For a job run on this machine (``validate``, ``run``); the service has
-  its operator's allowlist instead (``api/policy.py``), and the server checks at startup that every
+  its operator's allowlist instead (``api/admission.py``), and the server checks at startup that every
   allowed factory imports (``check_factories_import``).
 - ``check_inputs``: the files a job reads exist (data, tokenizer, ``model.init_from``,
   ``checkpoint.resume_from``). ``run`` and ``validate`` check them on this machine; the API checks

@@ -20,11 +20,11 @@ from hpservice.jobs import TERMINAL_STATES
 from hpservice.preflight import check_layout, raise_if
 from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yaml_error, yaml_load
 
+from ..admission import admit, job_dir
 from ..auth import current_principal
 from ..deps import get_settings, get_store, get_supervisor, visible_job
 from ..errors import APIError
 from ..limits import StreamSlots, read_body_within
-from ..policy import admit, job_dir
 from ..schemas import ERRORS, ArtifactList, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
 from ..settings import Principal, Settings
 from ..store import Store

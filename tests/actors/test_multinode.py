@@ -142,7 +142,7 @@ def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_
     from fastapi.testclient import TestClient
 
     from hpservice.api import Settings, create_app
-    from hpservice.api.policy import admit
+    from hpservice.api.admission import admit
     from hpservice.api.settings import Principal
     from hpservice.api.store import Store
     from hpservice.api.supervisor import Supervisor

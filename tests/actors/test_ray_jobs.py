@@ -203,7 +203,7 @@ def test_a_config_error_fails_at_once_naming_every_rank(cluster, tmp_path):
 
 
 def test_a_cancel_wins_over_a_preemption_whichever_came_first():
-    from hpservice.actors.policy import preemption_after_stop
+    from hpservice.actors.failure_policy import preemption_after_stop
 
     why = "preempted by job x (priority 10 > 0)"
     assert preemption_after_stop(False, None, why) == why  # preempted
@@ -213,7 +213,7 @@ def test_a_cancel_wins_over_a_preemption_whichever_came_first():
 
 
 def test_failures_are_grouped_by_message_and_classified():
-    from hpservice.actors.policy import FailureKind, RestartPolicy, WorkerPoll, failure_from_polls
+    from hpservice.actors.failure_policy import FailureKind, RestartPolicy, WorkerPoll, failure_from_polls
 
     polls = [
         WorkerPoll(0, 3, True, 0.0, "Traceback ...\nRuntimeError: boom"),

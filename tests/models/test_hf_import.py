@@ -232,7 +232,7 @@ def test_export_a_jobs_checkpoint_from_the_api(ranks, tmp_path):
     from fastapi.testclient import TestClient
 
     from hpservice.api import Settings, create_app
-    from hpservice.api.policy import job_dir
+    from hpservice.api.admission import job_dir
     from hpservice.api.settings import Principal
     from tests._jobs import tiny_llama_job
 
