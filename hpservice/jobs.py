@@ -1,4 +1,4 @@
-"""The job vocabulary, written once: a job's states, the CLI's exit codes, the end-of-run summary.
+"""The job vocabulary, written once: a job's states, the CLI's exit codes, the end-of-run summary's numbers.
 
 Every layer takes these from here: the coordinator actor (which moves a job between states),
 the store and the supervisor, the client and the CLI, and the web page (through
@@ -58,31 +58,31 @@ for _state in ACTIVE_STATES:
 
 
 class ExitCode(enum.IntEnum):
-    """Exit codes of ``hpservice run`` and of the service commands (``watch``, ``submit --watch``, ...)."""
+    """Exit codes of ``hpservice run``, ``python -m hpservice.train`` and of the service commands
+    (``watch``, ``submit --watch``, ...); what each means is ``EXIT_CODE_TEXT``."""
 
-    OK = 0  # success; the job SUCCEEDED
-    FAILED = 1  # the job FAILED
-    USAGE = 2  # usage or spec error (a bad job file or --url; a 4xx such as 409/422 from the server)
-    NOT_FOUND = 3  # 404
-    AUTH = 4  # 401/403
-    SERVER = 5  # 5xx, timeout, unreachable URL
-    CANCELLED = 130  # the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    NOT_FOUND = 3
+    AUTH = 4
+    SERVER = 5
+    CANCELLED = 130
 
+
+EXIT_CODE_TEXT = {
+    ExitCode.OK: "success (run, watch, submit --watch: the job SUCCEEDED)",
+    ExitCode.FAILED: "the job FAILED",
+    ExitCode.USAGE: "usage or spec error (bad job file or --url; a 4xx such as 409/422 from the server)",
+    ExitCode.NOT_FOUND: "not found (404)",
+    ExitCode.AUTH: "authentication or permission error (401/403)",
+    ExitCode.SERVER: "server or connection error (5xx, timeout, unreachable URL)",
+    ExitCode.CANCELLED: "the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)",
+}
 
 EXIT_FOR_STATE = {JobState.SUCCEEDED: ExitCode.OK, JobState.FAILED: ExitCode.FAILED, JobState.CANCELLED: ExitCode.CANCELLED}
 
-EXIT_CODES_HELP = "exit codes:\n" + "\n".join(
-    f"  {code.value:<4} {text}"
-    for code, text in (
-        (ExitCode.OK, "success (run, watch, submit --watch: the job SUCCEEDED)"),
-        (ExitCode.FAILED, "the job FAILED"),
-        (ExitCode.USAGE, "usage or spec error (bad job file or --url; a 4xx such as 409/422 from the server)"),
-        (ExitCode.NOT_FOUND, "not found (404)"),
-        (ExitCode.AUTH, "authentication or permission error (401/403)"),
-        (ExitCode.SERVER, "server or connection error (5xx, timeout, unreachable URL)"),
-        (ExitCode.CANCELLED, "the job was CANCELLED (or watch / logs -f was interrupted with Ctrl-C)"),
-    )
-)
+EXIT_CODES_HELP = "exit codes:\n" + "\n".join(f"  {code.value:<4} {text}" for code, text in EXIT_CODE_TEXT.items())
 
 
 def steady_state(records: list[dict]) -> dict:
@@ -101,42 +101,3 @@ def steady_state(records: list[dict]) -> dict:
     if mfu:
         out["mfu"] = sum(mfu) / len(mfu)
     return out
-
-
-_STYLE = {JobState.SUCCEEDED: "green", JobState.FAILED: "red", JobState.CANCELLED: "yellow"}
-
-
-def print_summary(console, job: dict, records: list[dict]) -> None:
-    """The end-of-run summary of ``hpservice run`` and ``hpservice watch``: final state and
-    message, steps, final loss, steady-state tokens/s (and MFU), restarts, latest checkpoint.
-    ``job`` is a ``JobOut`` or a coordinator status (the same keys); ``records`` the metrics seen."""
-    from rich.text import Text
-
-    state = job["state"]
-    line = Text(str(state), style=_STYLE.get(state, "bold"))
-    if job.get("message"):
-        line.append(f": {job['message']}")
-    console.print(line)
-    last = records[-1] if records else {}
-    parts = [f"step {last.get('step', job.get('step', 0))}/{job.get('total_steps', '?')}"]
-    if isinstance(last.get("loss"), int | float):
-        parts.append(f"final loss {last['loss']:.4f}")
-    steady = steady_state(records)
-    if steady:
-        rate = f"{steady['tokens_per_s']:,.0f} tok/s steady (mean over the last {steady['steps']} steps)"
-        parts.append(rate + (f", MFU {steady['mfu']:.1%}" if "mfu" in steady else ""))
-    console.print(Text("  " + ", ".join(parts)))
-    if job.get("restarts"):
-        console.print(Text(f"  restarts: {job['restarts']} ({'; '.join(job.get('restart_reasons') or [])})"))
-    if job.get("checkpoints"):
-        console.print(Text(f"  latest checkpoint: {job['checkpoints'][-1].get('path')}"))
-
-
-def describe_placement(placement: list[dict]) -> str:
-    """A job's rank -> node map in one line: ``node 3026f34c (10.0.0.2): ranks 0, 1; node ...``."""
-    by_node: dict[str, list[int]] = {}
-    for p in placement:
-        by_node.setdefault(p["node"], []).append(p["rank"])
-    return "; ".join(
-        f"{node}: {'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))}" for node, ranks in by_node.items()
-    )

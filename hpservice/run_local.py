@@ -10,7 +10,8 @@ import time
 from rich.console import Console
 
 from hpservice._progress import job_progress
-from hpservice.jobs import EXIT_FOR_STATE, TERMINAL_STATES, print_summary
+from hpservice.cli._render import print_summary
+from hpservice.jobs import EXIT_FOR_STATE, TERMINAL_STATES
 
 
 def run_job(spec, *, address: str | None = None, console: Console | None = None) -> int:

@@ -5,7 +5,8 @@ import io
 import pytest
 from rich.console import Console
 
-from hpservice.jobs import EXIT_FOR_STATE, ExitCode, JobState, print_summary, steady_state
+from hpservice.cli._render import print_summary
+from hpservice.jobs import EXIT_FOR_STATE, ExitCode, JobState, steady_state
 
 
 def test_states_exit_codes_and_terminal():

@@ -4,7 +4,7 @@
   ``generate``: this machine.
 - ``server``: ``serve``: the control plane.
 - ``service``: ``submit``, ``list``, ``status``, ``watch``, ``logs``, ``cancel``, ``checkpoints``,
-  ``artifacts``, ``delete``: a running control plane, over HTTP.
+  ``artifacts``, ``resubmit``, ``delete``: a running control plane, over HTTP.
 
 Each module adds its parsers and sets each one's handler (``run``); ``main`` calls it: one way of
 dispatching. Exit codes: ``hpservice.jobs.ExitCode`` (``hpservice --help`` lists them).

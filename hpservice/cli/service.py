@@ -1,6 +1,6 @@
 """Commands that talk to a running control plane (``hpservice serve``) over HTTP, through
 ``hpservice.client``: ``submit``, ``list``, ``status``, ``watch``, ``logs``, ``cancel``,
-``checkpoints``, ``artifacts``, ``delete``. Each takes ``--url`` (default ``HPSERVICE_URL``, else
+``checkpoints``, ``artifacts``, ``resubmit``, ``delete``. Each takes ``--url`` (default ``HPSERVICE_URL``, else
 ``http://127.0.0.1:8000``), ``--token`` (default ``HPSERVICE_TOKEN``) and ``--json``."""
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from hpservice.jobs import (
     TERMINAL_STATES,
     ExitCode,
     JobState,
-    describe_placement,
-    print_summary,
 )
 
+from ._render import describe_placement, print_summary
 from .local import load_launchable
 
 _POLL_INTERVAL_S = 1.0  # watch / logs -f polling when the event stream is unavailable

@@ -4,6 +4,7 @@ import argparse
 import logging
 import sys
 
+from hpservice.jobs import ExitCode
 from hpservice.spec import SpecError, load_job
 
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         raise_if(check_model(spec) + check_inputs(spec) + check_devices(spec), args.job)
     except SpecError as e:
         print(e, file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     from hpservice.train import Trainer
 
     trainer = Trainer(spec)
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = f", checkpoints in {trainer.spec.checkpoint.dir}" if trainer.checkpoints is not None else ""
         print(f"[{spec.name}] run {trainer.spec.run_id}: metrics in {trainer.output_dir}{checkpoints}", flush=True)
     trainer.train()
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":
