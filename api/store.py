@@ -1,8 +1,10 @@
 """The job store: SQLAlchemy over an embedded SQLite file by default, any database URL by setting.
 
-Three tables: ``jobs`` (one row per job: spec, state, progress, history), ``metrics`` (one row
-per (job, step); a step re-run after a restart replaces its row) and ``events`` (the ordered
-event log that Server-Sent Events replay: a per-job sequence number is the SSE id).
+Five tables: ``jobs`` (one row per job: spec, state, progress, history), ``metrics`` (one row
+per (job, step); a step re-run after a restart replaces its row), ``events`` (the ordered event
+log that Server-Sent Events replay, log lines included: a per-job sequence number is the SSE id),
+``leases`` (which replica leads the supervisor, and until when) and ``heartbeat`` (the row the
+readiness probe rewrites).
 
 Several server replicas may share one database (PostgreSQL). Every write that reads before it
 writes (an event's sequence number, a job's history) first locks the job's row (``SELECT ... FOR
