@@ -73,9 +73,8 @@ def attempt_spec(spec, resume: bool, gpus: int):
     """What the workers of an attempt run, decided once, by the coordinator: GPUs or not (never
     ``auto``: ``gpus`` is ``ResourcesSpec.gpus_per_worker``'s answer for the cluster), and from the
     latest checkpoint after a restart. The workers and the trainer take it as it is."""
-    resources = spec.resources.model_copy(update={"use_gpu": bool(gpus)})
-    checkpoint = spec.checkpoint.model_copy(update={"resume_from": "latest"}) if resume else spec.checkpoint
-    return spec.model_copy(update={"resources": resources, "checkpoint": checkpoint})
+    spec = spec.resuming_from_latest() if resume else spec
+    return spec.model_copy(update={"resources": spec.resources.model_copy(update={"use_gpu": bool(gpus)})})
 
 
 @dataclasses.dataclass(frozen=True)

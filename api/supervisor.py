@@ -258,7 +258,7 @@ class Supervisor:
         spec = self._spec_of(job)
         continuation = None
         if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
-            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"})})
+            spec = spec.resuming_from_latest()
             # the new coordinator continues the store's record (checkpoints, log numbers), not from nothing
             continuation = Continuation(
                 tuple(job["checkpoints"]), job.get("log_seq") or 0, job["checkpoints"][-1]["step"],

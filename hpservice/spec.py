@@ -508,6 +508,10 @@ class JobSpec(_Section):
             checkpoint = checkpoint.model_copy(update={"dir": os.path.abspath(checkpoint.dir)})
         return spec.model_copy(update={"run_id": run_id, "checkpoint": checkpoint})
 
+    def resuming_from_latest(self) -> JobSpec:
+        """This spec, resuming from its own latest checkpoint (a restarted or requeued attempt)."""
+        return self.model_copy(update={"checkpoint": self.checkpoint.model_copy(update={"resume_from": "latest"})})
+
     def resized(self, workers: int) -> JobSpec:
         """This job on ``workers`` workers (elastic resizing), with the same model and the same
         global batch: the shard group (``dp_shard x tp``) is kept and the replicas change when

@@ -64,10 +64,11 @@ def init_distributed(device_type: str) -> bool:
 
 
 def pick_device(spec: JobSpec) -> torch.device:
-    use_gpu = spec.resources.use_gpu
-    if use_gpu == "auto":
-        use_gpu = torch.cuda.is_available()
-    if use_gpu:
+    """This rank's device. ``use_gpu: auto`` is decided by the one rule,
+    ``ResourcesSpec.gpus_per_worker``: a GPU each when there is one for every rank on this node
+    (torchrun's ``LOCAL_WORLD_SIZE``). Under Ray the coordinator already decided (never ``auto``)."""
+    local = spec.resources.model_copy(update={"workers": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))})
+    if local.gpus_per_worker(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         if not torch.cuda.is_available():
             raise TrainingError("resources.use_gpu is true but no CUDA device is available")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

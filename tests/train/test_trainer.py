@@ -420,3 +420,30 @@ def test_fsdp_profiler_ranges_carry_torch_fsdp2s_names(ranks):
     torch_labels = ranks(2).run(_fsdp_profiler_labels, "torch")[0]
     ours = ranks(2).run(_fsdp_profiler_labels, "ours")[0]
     assert len(torch_labels) >= 8 and set(torch_labels) <= set(ours), sorted(set(torch_labels) - set(ours))
+
+
+@pytest.mark.parametrize(
+    ("use_gpu", "gpus", "local_world", "expected"),
+    [("auto", 0, 1, "cpu"), ("auto", 1, 2, "cpu"), ("auto", 2, 2, "cuda"), (False, 2, 2, "cpu"), (True, 1, 2, "cuda")],
+)
+def test_the_device_follows_the_one_gpu_rule(tmp_path, monkeypatch, use_gpu, gpus, local_world, expected):
+    """``use_gpu: auto`` under torchrun: a GPU per rank only when this node has one for every rank
+    (``ResourcesSpec.gpus_per_worker``, the rule the coordinator applies under Ray)."""
+    from hpservice.train._trainer import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    spec = _spec(tmp_path).model_copy(update={"resources": _spec(tmp_path).resources.model_copy(update={"use_gpu": use_gpu})})
+    assert pick_device(spec).type == expected
+
+
+def test_use_gpu_true_without_a_gpu_is_refused(tmp_path, monkeypatch):
+    from hpservice.train._trainer import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = _spec(tmp_path).model_copy(update={"resources": _spec(tmp_path).resources.model_copy(update={"use_gpu": True})})
+    with pytest.raises(TrainingError, match=r"resources\.use_gpu is true but no CUDA device"):
+        pick_device(spec)
