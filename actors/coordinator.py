@@ -29,6 +29,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from typing import NamedTuple
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -78,6 +79,29 @@ def attempt_spec(spec, resume: bool, gpus: int):
 
 
 @dataclasses.dataclass(frozen=True)
+class RestartCause:
+    """Why the job is RESTARTING, carried with that state to the handler that acts on it (Ray
+    Train v2's ``RestartingState(training_failed_error)``): replace the workers of ``lost_nodes``
+    (the cluster's failure, not counted as a restart), ``grow`` back to ``resources.workers``
+    (room came back while shrunk), or neither: a worker failure, retried after the policy's
+    back-off."""
+
+    lost_nodes: tuple[str, ...] = ()
+    grow: bool = False
+
+
+class Transition(NamedTuple):
+    """A handler's answer: the next state, its message, and for RESTARTING its cause."""
+
+    state: JobState
+    message: str
+    cause: RestartCause | None = None
+
+
+Next = Transition | tuple[JobState, str]  # what a state's handler returns (a pair: no cause)
+
+
+@dataclasses.dataclass(frozen=True)
 class Continuation:
     """What the store holds of a job's earlier coordinators, for the one that replaces them (after
     its node was lost, or a preemption): its lists and sequences continue instead of starting
@@ -124,13 +148,11 @@ class Coordinator:
         self._placement: list[dict] = []  # rank -> node of the current attempt
         self._policy = RestartPolicy(self.spec.failure.max_restarts)
         self._attempt = 0
-        self._lost_nodes: tuple[str, ...] = ()  # to replace before the next attempt
         self._node_losses: list[dict] = []
         self._stop_sent_at: float | None = None
         self._first_step: int | None = None  # the step this attempt started from
         self._size = self.spec.resources.workers  # workers now (fewer after an elastic shrink)
         self._resizes: list[dict] = []
-        self._grow = False  # the next restart grows back to resources.workers
         self._room_seen_at: float | None = None  # when room for every worker was first seen while shrunk
         self._room_checked_at = 0.0
         self._step = continuation.step
@@ -262,22 +284,26 @@ class Coordinator:
     def run(self) -> str:
         """Run the job until this coordinator's part ends (a terminal state, or PREEMPTED: a later
         coordinator resumes it); returns that state. Each live state has a handler that does
-        that state's work and returns the next state with its message (``TRANSITIONS`` says
-        which moves exist; ``_set_state`` refuses any other)."""
+        that state's work and returns the next state with its message, and RESTARTING its cause
+        (``Transition``; ``TRANSITIONS`` says which moves exist; ``_set_state`` refuses any
+        other)."""
         handlers = {
             JobState.QUEUED: self._queued,
             JobState.STARTING: self._starting,
-            JobState.RESTARTING: self._restarting,
             JobState.RUNNING: self._running,
             JobState.CANCELLING: self._running,  # the same supervision, the stop already sent
         }
+        cause = None
         while self.state not in COORDINATOR_ENDS:
-            state, message = handlers[self.state]()
+            if self.state is JobState.RESTARTING:
+                state, message, cause = Transition(*self._restarting(cause or RestartCause()))
+            else:
+                state, message, cause = Transition(*handlers[self.state]())
             self._set_state(state, message)
         self._teardown()
         return self.state
 
-    def _queued(self) -> tuple[JobState, str]:
+    def _queued(self) -> Next:
         """Reserve the placement group; wait (saying so once) until the cluster has room."""
         r = self.spec.resources
         self._gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
@@ -288,20 +314,18 @@ class Coordinator:
             return self._stopped("cancelled while queued")
         return JobState.STARTING, "attempt 1"
 
-    def _starting(self) -> tuple[JobState, str]:
+    def _starting(self) -> Next:
         return self._start_attempt(resume=False)
 
-    def _restarting(self) -> tuple[JobState, str]:
-        """After a failure: for a lost node, a new placement group on the live nodes (waiting up
-        to ``failure.capacity_wait_s`` for room, then shrinking to an elastic size that fits);
-        for a grow, the placement group of every worker; else the policy's back-off. Then the
-        next attempt, from the latest checkpoint."""
-        lost, self._lost_nodes = self._lost_nodes, ()
-        grow, self._grow = self._grow, False
-        if grow:
+    def _restarting(self, cause: RestartCause) -> Next:
+        """After a failure, by its cause: for a lost node, a new placement group on the live
+        nodes (waiting up to ``failure.capacity_wait_s`` for room, then shrinking to an elastic
+        size that fits); for a grow, the placement group of every worker; else the policy's
+        back-off. Then the next attempt, from the latest checkpoint."""
+        if cause.grow:
             ended = self._grow_back()
-        elif lost:
-            ended = self._replace_lost(lost)
+        elif cause.lost_nodes:
+            ended = self._replace_lost(cause.lost_nodes)
         else:
             time.sleep(self._policy.backoff_s(len(self._restarts)))
             ended = None
@@ -372,35 +396,36 @@ class Coordinator:
         with self._lock:
             return any(c["time"] > self._room_seen_at for c in self._checkpoints)
 
-    def _start_attempt(self, resume: bool) -> tuple[JobState, str]:
+    def _start_attempt(self, resume: bool) -> Next:
         try:
             message = self._start_workers(resume)
         except _Failure as e:
             return self._after_failure(e.failure)
-        return JobState.RUNNING, message
+        return Transition(JobState.RUNNING, message)
 
-    def _running(self) -> tuple[JobState, str]:
+    def _running(self) -> Next:
         """Supervise the attempt until it ends, fails, or a stop arrives (-> CANCELLING)."""
         try:
             return self._supervise()
         except _Failure as e:
             return self._after_failure(e.failure)
 
-    def _after_failure(self, failure: AttemptFailure) -> tuple[JobState, str]:
+    def _after_failure(self, failure: AttemptFailure) -> Transition:
         """What a failed attempt leads to: cancelled, a replacement of a lost node (not counted
         as a restart), a restart, or the end (the policy decides)."""
         self._kill_workers()
         if self._stop_requested:
             return self._stopped(f"cancelled ({failure.reason})")
         if failure.kind is FailureKind.NODE:
-            self._lost_nodes = failure.lost_nodes
             self._node_losses.append({"time": time.time(), "reason": failure.reason, "nodes": list(failure.lost_nodes)})
-            return JobState.RESTARTING, f"{failure.reason}: replacing its workers (not counted as a restart)"
+            message = f"{failure.reason}: replacing its workers (not counted as a restart)"
+            return Transition(JobState.RESTARTING, message, RestartCause(lost_nodes=failure.lost_nodes))
         if not self._policy.should_restart(failure, len(self._restarts)):
             return JobState.FAILED, self._policy.failed_message(failure)
         self._restarts.append({"time": time.time(), "reason": failure.reason})
         self._gauges["restarts"].set(len(self._restarts), tags={"job": self.job_id, "rank": "0"})
-        return JobState.RESTARTING, f"restart {len(self._restarts)}/{self.spec.failure.max_restarts}: {failure.reason}"
+        message = f"restart {len(self._restarts)}/{self.spec.failure.max_restarts}: {failure.reason}"
+        return Transition(JobState.RESTARTING, message, RestartCause())
 
     # ---- the work of the states ---------------------------------------------------------------
     NODE_DEATH_WAIT_S = 60.0  # for Ray to mark a lost node dead before placing anything again
@@ -490,7 +515,7 @@ class Coordinator:
             return _Failure(f"{names} lost ({reason})", FailureKind.NODE, lost)
         return _Failure(reason)
 
-    def _supervise(self) -> tuple[JobState, str]:
+    def _supervise(self) -> Next:
         """Poll the workers until the attempt ends; raises ``_Failure``."""
         spec = self.spec
         while True:
@@ -528,10 +553,9 @@ class Coordinator:
                 what = f"before the first step of attempt (startup_timeout_s {limit:g})" if starting else f"after step {step}"
                 raise _Failure(f"hang: no progress for {stalled:.0f} s {what} (stacks in the log)")
             if self._grow_ready():
-                self._grow = True
                 latest = max(c["step"] for c in self.checkpoints())
-                full = self.spec.resources.workers
-                return JobState.RESTARTING, f"growing {self._size} -> {full} workers: room is back; from step {latest}"
+                message = f"growing {self._size} -> {self.spec.resources.workers} workers: room is back; from step {latest}"
+                return Transition(JobState.RESTARTING, message, RestartCause(grow=True))
 
     def _dump_stacks(self) -> None:
         for rank, w in enumerate(self._workers):
