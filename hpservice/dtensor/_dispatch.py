@@ -75,9 +75,10 @@ def dispatch(func, args: tuple, kwargs: dict):
         raise _refused_inplace(func, self)
     if not info.per_element and any(isinstance(a, list | tuple) for a in args):
         args = tuple(_list_operands(func, a) if isinstance(a, list | tuple) else a for a in args)
-    frozen_args, dts = _freeze_args(args, info.scalar_free)
-    decision = _propagate(func, frozen_args, kwargs, dts, info.scalar_free)
-    local_args, moved = _local_operands(func, args, decision, dts, info)
+    ops = _flatten(args, info)
+    dts = ops.dts
+    decision = _propagate(func, ops.frozen, kwargs, dts, info.scalar_free)
+    local_args, moved = _local_operands(func, ops, decision, info)
     for v in kwargs.values():
         if isinstance(v, torch.Tensor) and v.ndim > 0:
             raise _mixed(func, dts, v)
@@ -98,25 +99,47 @@ def dispatch(func, args: tuple, kwargs: dict):
     return result
 
 
-def _freeze_args(args: tuple, scalar_free: bool) -> tuple[tuple, list]:
-    """(the hashable stand-in of ``args``, the DTensor operands in flattened order), one pass."""
-    frozen, dts = [], []
-    for a in args:
+class _Operands(NamedTuple):
+    """``args`` flattened once (torch's dispatcher flattens its arguments once, too): what the rule
+    sees and what the local op will take."""
+
+    frozen: tuple  # the hashable stand-in of args: the rule's cache key
+    dts: list  # the DTensor operands, in flattened order (the rule's targets are in this order)
+    local: list  # args with lists copied; each DTensor's slot is filled with its local tensor
+    slots: list  # (argument index, index in its list or None) of each of dts
+    plain: torch.Tensor | None  # the first plain tensor operand that cannot mix with DTensors
+
+
+def _flatten(args: tuple, info: _OpInfo) -> _Operands:
+    """One pass over ``args`` (lists one level deep: ``cat``, ``stack``, foreach ops). Plain
+    tensors in the lists of a per-element (foreach) op are checked element by element by its
+    rule; anywhere else a non-scalar plain tensor is refused, after the rule ran."""
+    frozen, dts, local, slots, plain = [], [], [], [], None
+    for i, a in enumerate(args):
         if isinstance(a, DTensor):
             frozen.append(a._spec)
             dts.append(a)
+            slots.append((i, None))
+            local.append(a)
         elif isinstance(a, list | tuple):
             items = []
-            for x in a:
+            for j, x in enumerate(a):
                 if isinstance(x, DTensor):
                     items.append(x._spec)
                     dts.append(x)
+                    slots.append((i, j))
                 else:
-                    items.append(_freeze(x, scalar_free))
+                    if plain is None and isinstance(x, torch.Tensor) and x.ndim > 0 and not info.per_element:
+                        plain = x
+                    items.append(_freeze(x, info.scalar_free))
             frozen.append(tuple(items))
+            local.append(list(a))
         else:
-            frozen.append(_freeze(a, scalar_free))
-    return tuple(frozen), dts
+            if plain is None and isinstance(a, torch.Tensor) and a.ndim > 0:
+                plain = a
+            frozen.append(_freeze(a, info.scalar_free))
+            local.append(a)
+    return _Operands(tuple(frozen), dts, local, slots, plain)
 
 
 def _propagate(func, frozen_args: tuple, kwargs: dict, dts: list, scalar_free: bool):
@@ -132,37 +155,20 @@ def _propagate(func, frozen_args: tuple, kwargs: dict, dts: list, scalar_free: b
         raise _unsupported(func, dts, str(e)) from None
 
 
-def _local_operands(func, args: tuple, decision, dts, info: _OpInfo) -> tuple[list, bool]:
-    """The local tensors to run on: each DTensor moved to its target spec first. Plain tensors
-    in lists of a per-element (foreach) op were checked element by element by its rule."""
-    targets = decision.targets
-    k = 0
-    moved = False
-    local_args = []
-    for i, a in enumerate(args):
-        if isinstance(a, DTensor):
-            local, m = _at_target(func, a, targets[k], i, info)
-            k += 1
-            moved |= m
-            local_args.append(local)
-        elif isinstance(a, list | tuple):
-            items = []
-            for x in a:
-                if isinstance(x, DTensor):
-                    local, m = _at_target(func, x, targets[k], i, info)
-                    k += 1
-                    moved |= m
-                    items.append(local)
-                else:
-                    if isinstance(x, torch.Tensor) and x.ndim > 0 and not info.per_element:
-                        raise _mixed(func, dts, x)
-                    items.append(x)
-            local_args.append(items)
+def _local_operands(func, ops: _Operands, decision, info: _OpInfo) -> tuple[list, bool]:
+    """The local tensors to run on, each DTensor moved to its target spec first; and whether any
+    had to be moved."""
+    if ops.plain is not None:
+        # RuntimeError, not TypeError: torch turns a TypeError in a binary operator into NotImplemented.
+        raise _mixed(func, ops.dts, ops.plain)
+    local_args, moved = ops.local, False
+    for dt, (i, j), target in zip(ops.dts, ops.slots, decision.targets, strict=True):
+        local, m = _at_target(func, dt, target, i, info)
+        moved |= m
+        if j is None:
+            local_args[i] = local
         else:
-            if isinstance(a, torch.Tensor) and a.ndim > 0:
-                # RuntimeError, not TypeError: torch turns a TypeError in a binary operator into NotImplemented.
-                raise _mixed(func, dts, a)
-            local_args.append(a)
+            local_args[i][j] = local
     return local_args, moved
 
 
