@@ -19,7 +19,7 @@ For a Llama flavor on ``--gpus`` GPUs (``--gpus-per-node`` each node) under a la
   once) and the time at ``--storage-gbs`` per rank;
 - the largest HSDP shard group that keeps the all-gathers inside a node (``gpus_per_node / tp``).
 
-The layout and byte counts are exact for hpservice's fully_shard (``tests/test_bench_plan.py``
+The layout and byte counts are exact for hpservice's fully_shard (``tests/bench/test_bench_plan.py``
 checks them against the tiny Llama on 4 CPU ranks: the tracked bytes of every rank's shards and
 the bytes handed to each collective); link times assume the stated bandwidth is reached.
 """
