@@ -1,4 +1,4 @@
-"""The tiny-Llama training job the trainer tests share, and running it on a rank."""
+"""The tiny-Llama training job the trainer and Ray tests share (one builder), and running it on a rank."""
 
 from pathlib import Path
 
@@ -6,11 +6,11 @@ from hpservice.spec import parse_job
 from hpservice.train import Trainer
 
 
-def tiny_llama_job(tmp, **sections):
+def tiny_llama_job(tmp, name="t", **sections):
     """A 4-step tiny Llama job on synthetic tokens writing under ``tmp``; each keyword merges into
     that section of the spec (``training={"steps": 6}``, ``parallelism={"tp": 2}``)."""
     data = {
-        "name": "t",
+        "name": name,
         "model": {"name": "llama", "flavor": "tiny"},
         "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
         "training": {"steps": 4, "max_grad_norm": 1.0},
@@ -25,21 +25,16 @@ def tiny_llama_job(tmp, **sections):
 
 
 def ray_job(tmp, name, **sections):
-    """A 6-step, 2-worker tiny Llama job for the Ray tests (CPU workers), writing under ``tmp``;
-    keywords merge into sections as for ``tiny_llama_job``."""
-    data = {
-        "name": name,
-        "model": {"name": "llama", "flavor": "tiny"},
-        "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
+    """``tiny_llama_job`` as the Ray tests run it: 6 steps on 2 CPU workers, metrics under
+    ``tmp/metrics``; keywords merge into sections the same way."""
+    preset = {
         "training": {"steps": 6},
-        "optimizer": {"lr": 3.0e-3},
         "resources": {"workers": 2, "use_gpu": False},
-        "checkpoint": {"dir": str(Path(tmp) / "ckpt")},
         "metrics": {"dir": str(Path(tmp) / "metrics")},
     }
     for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return parse_job(data)
+        preset[key] = {**preset.get(key, {}), **value}
+    return tiny_llama_job(tmp, name, **preset)
 
 
 def train(spec) -> list[dict]:

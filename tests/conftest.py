@@ -63,10 +63,29 @@ def postgres():
     server.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path):
+DATABASES = ("sqlite", "postgresql")
+
+
+def pytest_generate_tests(metafunc):
+    """A test that needs a database (``database_kind``, or ``store_url`` which takes it) runs on
+    each one the store supports, unless marked ``@pytest.mark.databases(...)`` with the ones it
+    is about. Module-scoped: a module's tests run on one database, then on the other, so a
+    module-scoped server is started once per database."""
+    if "database_kind" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("databases")
+        metafunc.parametrize("database_kind", marker.args if marker else DATABASES, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def database_kind(request) -> str:
+    """``sqlite`` or ``postgresql``: the database this module's tests run on now."""
+    return request.param
+
+
+@pytest.fixture
+def store_url(database_kind, request, tmp_path) -> str:
     """The store's database for one test: a SQLite file, or a fresh database on the session's
-    PostgreSQL; tests that take it run on both."""
-    if request.param == "sqlite":
+    PostgreSQL."""
+    if database_kind == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
     return request.getfixturevalue("postgres").new_database()

@@ -8,7 +8,7 @@ import os
 import pytest
 from fastapi.testclient import TestClient
 
-from hpservice.api import Settings, create_app, policy
+from hpservice.api import Settings, admission, create_app
 from hpservice.api.logs import RedactTokens, redact
 from hpservice.api.settings import Principal, load_tokens
 
@@ -52,7 +52,7 @@ def test_model_factories_outside_the_allowlist_are_refused(tmp_path, factory):
 
 
 def test_allowed_factories_by_setting_and_entry_point(tmp_path, monkeypatch):
-    monkeypatch.setattr(policy, "entry_point_factories", lambda: {"team-net": "team_models.nets:make"})
+    monkeypatch.setattr(admission, "entry_point_factories", lambda: {"team-net": "team_models.nets:make"})
     with _client(tmp_path, model_factories=("tests.api._factories:tiny",)) as c:
         ok = c.post("/v1/jobs", json=_spec(model={"name": "tests.api._factories:tiny", "flavor": None}), headers=_auth(ALICE))
         assert ok.status_code == 201, ok.text
