@@ -48,7 +48,8 @@ def test_the_wheel_installs_the_layers_as_hpservice_api_and_actors(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert "api" not in tops and "actors" not in tops
-    assert "hpservice/api/static/index.html" in names
+    # the page and every ES module it imports (no build step: the wheel carries them as they are)
+    assert {f"hpservice/api/static/{f}" for f in ("index.html", "app.js", "api.js", "chart.js", "format.js", "stream.js")} <= set(names)
     assert "hpservice/actors/coordinator.py" in names
     assert "hpservice/api/routes/jobs.py" in names
     assert "hpservice/api/migrations/env.py" in names  # the schema migrations, every revision
