@@ -35,7 +35,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hpservice.jobs import COORDINATOR_ENDS, JobState
+from hpservice.jobs import COORDINATOR_ENDS, JobRecord, JobState
 
 from . import nodes, placement
 from .failure_policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls, preemption_after_stop
@@ -174,23 +174,29 @@ class Coordinator:
             self._history.append({"state": state, "time": time.time(), "message": message, **details})
 
     def status(self) -> dict:
+        """The run's side of the job record (``JobRecord``; the store adds the submission's side),
+        and what only this coordinator knows: node losses, its size and resizes, its node, and
+        how many metric records its buffer dropped."""
         with self._lock:
+            record = JobRecord(
+                id=self.job_id,
+                name=self.spec.name,
+                state=self.state,
+                message=self._history[-1]["message"],
+                history=list(self._history),
+                step=self._step,
+                total_steps=self.spec.training.steps,
+                restarts=len(self._restarts),
+                restart_reasons=[r["reason"] for r in self._restarts],
+                placement=list(self._placement),
+                checkpoints=list(self._checkpoints),
+            )
             return {
-                "job_id": self.job_id,
-                "name": self.spec.name,
-                "state": self.state,
-                "message": self._history[-1]["message"],
-                "history": list(self._history),
-                "step": self._step,
-                "total_steps": self.spec.training.steps,
-                "restarts": len(self._restarts),
-                "restart_reasons": [r["reason"] for r in self._restarts],
+                **record.run_side(),
                 "node_losses": list(self._node_losses),
-                "placement": list(self._placement),
                 "workers": self._size,
                 "resizes": list(self._resizes),
                 "coordinator_node": self._node_id,
-                "checkpoints": list(self._checkpoints),
                 "metrics_dropped": self._dropped,
             }
 

@@ -4,53 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, create_model
+
+from hpservice.jobs import JobRecord
 
 
-class Resize(BaseModel):
-    """An elastic resize of the worker group."""
-
-    to: int
-    from_: int = Field(alias="from")
-    reason: str
-    grad_accum: int  # the attempt's gradient accumulation (the global batch stays)
-
-
-class HistoryEntry(BaseModel):
-    state: str
-    time: float
-    message: str = ""
-    resize: Resize | None = None
+def _job_out() -> type[BaseModel]:
+    """``JobOut``: the fields of ``hpservice.jobs.JobRecord`` (one declaration of a job), every one
+    present in each answer (``placement`` is empty until the workers start), and the link to the
+    Ray dashboard the routes add."""
+    fields: dict[str, Any] = {
+        name: (kind, [] if name == "placement" else ...) for name, kind in JobRecord.field_types().items()
+    }
+    return create_model("JobOut", **fields, ray_dashboard_url=(str | None, None))
 
 
-class RankPlacement(BaseModel):
-    """Where one rank of the current attempt runs."""
-
-    rank: int
-    node_id: str
-    node_ip: str
-    node: str  # short id and address, for people
-    bundle: int  # its placement-group bundle (one per shard group under placement shard_group)
-    pid: int
-
-
-class JobOut(BaseModel):
-    id: str
-    name: str
-    owner: str
-    state: str
-    message: str
-    step: int
-    total_steps: int
-    restarts: int
-    restart_reasons: list[str]
-    created_at: float
-    updated_at: float
-    history: list[HistoryEntry]
-    checkpoints: list[dict[str, Any]]
-    placement: list[RankPlacement] = []  # rank -> node; empty until the workers start
-    spec: dict[str, Any]
-    ray_dashboard_url: str | None = None
+JobOut = _job_out()
 
 
 class JobList(BaseModel):

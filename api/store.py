@@ -43,7 +43,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from hpservice.jobs import WAITING_STATES, JobState
+from hpservice.jobs import WAITING_STATES, JobRecord, JobState
 
 from .migrations import upgrade
 
@@ -80,24 +80,32 @@ class JobRow(Base):
     # a cancel that found the job launched: the leading replica stops its coordinator
     cancel_requested: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
+    def to_record(self) -> JobRecord:
+        """The row as the job record every layer carries (``hpservice.jobs.JobRecord``)."""
+        return JobRecord(
+            id=self.id, name=self.name, owner=self.owner, state=self.state, message=self.message, step=self.step,
+            total_steps=self.total_steps, restarts=self.restarts,
+            restart_reasons=json.loads(self.restart_reasons_json), created_at=self.created_at,
+            updated_at=self.updated_at, history=json.loads(self.history_json),
+            checkpoints=json.loads(self.checkpoints_json), placement=json.loads(self.placement_json or "[]"),
+            spec=json.loads(self.spec_json),
+        )  # fmt: skip
+
+    @classmethod
+    def from_record(cls, record: JobRecord, **store_only: Any) -> JobRow:
+        """A new row holding ``record``; ``store_only``: the columns no other layer sees
+        (idempotency key, request hash, the submitted spec)."""
+        return cls(
+            id=record.id, name=record.name, owner=record.owner, state=record.state, message=record.message,
+            step=record.step, total_steps=record.total_steps, restarts=record.restarts,
+            restart_reasons_json=json.dumps(record.restart_reasons), created_at=record.created_at,
+            updated_at=record.updated_at, history_json=json.dumps(record.history),
+            checkpoints_json=json.dumps(record.checkpoints), placement_json=json.dumps(record.placement),
+            spec_json=json.dumps(record.spec), **store_only,
+        )  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "owner": self.owner,
-            "state": self.state,
-            "message": self.message,
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "restarts": self.restarts,
-            "restart_reasons": json.loads(self.restart_reasons_json),
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-            "history": json.loads(self.history_json),
-            "checkpoints": json.loads(self.checkpoints_json),
-            "placement": json.loads(self.placement_json or "[]"),
-            "spec": json.loads(self.spec_json),
-        }
+        return self.to_record().to_dict()
 
 
 class MetricRow(Base):
@@ -201,11 +209,13 @@ class Store:
             return existing
         now = time.time()
         with self._writing() as s:
-            history = [{"state": JobState.QUEUED, "time": now, "message": "submitted"}]
-            row = JobRow(
-                id=job_id, name=name, owner=owner, state=JobState.QUEUED, message="submitted", spec_json=json.dumps(spec),
-                created_at=now, updated_at=now, step=0, total_steps=total_steps, restarts=0,
-                history_json=json.dumps(history), idempotency_key=idempotency_key, request_hash=request_hash,
+            record = JobRecord(
+                id=job_id, name=name, owner=owner, state=JobState.QUEUED, message="submitted", created_at=now,
+                updated_at=now, total_steps=total_steps, spec=spec,
+                history=[{"state": JobState.QUEUED, "time": now, "message": "submitted"}],
+            )  # fmt: skip
+            row = JobRow.from_record(
+                record, idempotency_key=idempotency_key, request_hash=request_hash,
                 submitted_json=json.dumps(submitted) if submitted is not None else None,
             )  # fmt: skip
             try:  # the INSERT happens at the event's flush or at the commit

@@ -8,7 +8,12 @@ as the plain strings they have always been.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import typing
+from typing import Any, NotRequired
+
+from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 
 class JobState(enum.StrEnum):
@@ -55,6 +60,77 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 for _state in ACTIVE_STATES:
     TRANSITIONS[_state] |= {_S.QUEUED, _S.FAILED, _S.CANCELLED}
+
+
+# ---- the job record: one declaration, from the coordinator through the store to the wire -------
+
+# "from" is a keyword, so the functional form
+Resize = TypedDict("Resize", {"from": int, "to": int, "reason": str, "grad_accum": int})
+Resize.__doc__ = """An elastic resize of the worker group (``grad_accum``: the attempt's gradient
+accumulation; the global batch stays)."""
+
+
+class HistoryEntry(TypedDict):
+    """One move of the job: its state, when, why; a resize carries what changed."""
+
+    state: str
+    time: float
+    message: str
+    resize: NotRequired[Resize]
+
+
+class RankPlacement(TypedDict):
+    """Where one rank of the current attempt runs."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    node: str  # short id and address, for people
+    bundle: int  # its placement-group bundle (one per shard group under placement shard_group)
+    pid: int
+
+
+@dataclasses.dataclass(kw_only=True)
+class JobRecord:
+    """A job as every layer carries it, declared once (skypilot's API server carries one request
+    record from its database to the wire the same way): the coordinator fills the run's side
+    (``Coordinator.status``), the store adds the submission's side and maps the record to and
+    from its row (``JobRow.from_record`` / ``to_record``), and the API's ``JobOut`` is made from
+    these fields (``api/schemas.py``). A new field is added here, then given a column.
+
+    Entries are plain dicts (``TypedDict``s) so that every layer reads them as it always has;
+    ``to_dict`` is what crosses process boundaries and the wire."""
+
+    id: str
+    name: str
+    owner: str = ""  # the submission's side: the store's
+    state: str  # a JobState
+    message: str = ""
+    step: int = 0  # the latest step trained
+    total_steps: int = 0
+    restarts: int = 0
+    restart_reasons: list[str] = dataclasses.field(default_factory=list)
+    created_at: float = 0.0  # the store's
+    updated_at: float = 0.0  # the store's
+    history: list[HistoryEntry] = dataclasses.field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    placement: list[RankPlacement] = dataclasses.field(default_factory=list)  # empty until the workers start
+    spec: dict[str, Any] = dataclasses.field(default_factory=dict)  # the store's: the spec it runs
+
+    STORE_SIDE: typing.ClassVar[tuple[str, ...]] = ("owner", "created_at", "updated_at", "spec")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def run_side(self) -> dict[str, Any]:
+        """What a coordinator reports: every field but the store's (``STORE_SIDE``)."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.STORE_SIDE}
+
+    @classmethod
+    def field_types(cls) -> dict[str, Any]:
+        """Each field's type, resolved (the API builds ``JobOut`` from them)."""
+        hints = typing.get_type_hints(cls, globalns=globals())
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 class ExitCode(enum.IntEnum):
