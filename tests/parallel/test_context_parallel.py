@@ -1,0 +1,78 @@
+"""Context parallelism: ring attention over a sequence sharded across gloo ranks equals
+``F.scaled_dot_product_attention`` on the whole sequence on one device, values and gradients
+(fp32, 1e-5), causal, bidirectional and document-masked (packed sequences)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpservice.parallel.context_parallel import positions, ring_attention, shard_sequence, unshard_sequence
+
+
+def _inputs(seed=0, B=2, H=3, S=48, D=8, docs=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+    weight = torch.randn(B, H, S, D, generator=g)  # the loss is (out * weight).sum(): every output counts
+    document_ids = None
+    if docs:  # packed: documents of uneven lengths, different per batch row
+        cuts = [sorted(torch.randperm(S - 1, generator=g)[:3].add(1).tolist()) for _ in range(B)]
+        document_ids = torch.stack([torch.bucketize(torch.arange(S), torch.tensor(c), right=True) for c in cuts])
+    return q, k, v, weight, document_ids
+
+
+def _reference(q, k, v, weight, document_ids, is_causal):
+    """One device, torch's SDPA (an explicit mask only for documents)."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = None
+    if document_ids is not None:
+        S = q.shape[-2]
+        mask = (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+        if is_causal:
+            mask = mask & torch.ones(S, S, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
+    (out * weight).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _ring(is_causal, load_balance, rotate, docs, S):
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    q, k, v, weight, document_ids = _inputs(S=S, docs=docs)
+    expected = _reference(q, k, v, weight, document_ids, is_causal)
+    shard = lambda t, dim=2: shard_sequence(t, dim, cp, rank, load_balance=load_balance)  # noqa: E731
+    lq, lk, lv = (shard(t).requires_grad_() for t in (q, k, v))
+    docs_local = shard(document_ids, 1) if document_ids is not None else None
+    out = ring_attention(
+        lq, lk, lv, is_causal=is_causal, document_ids=docs_local, load_balance=load_balance, rotate=rotate
+    )
+    (out * shard(weight)).sum().backward()
+    got = [out.detach(), lq.grad, lk.grad, lv.grad]
+    whole = [unshard_sequence(t, 2, load_balance=load_balance) for t in got]
+    return [(w - e).abs().max().item() for w, e in zip(whole, expected, strict=True)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(
+    ("is_causal", "load_balance", "rotate", "docs"),
+    [
+        (True, True, "ring", False),
+        (True, False, "ring", False),
+        (False, True, "ring", False),
+        (True, True, "allgather", False),
+        (True, True, "ring", True),
+        (False, False, "allgather", True),
+    ],
+)
+def test_ring_attention_equals_sdpa_on_the_whole_sequence(ranks, cp, is_causal, load_balance, rotate, docs):
+    for errors in ranks(cp).run(_ring, is_causal, load_balance, rotate, docs, 48):
+        assert max(errors) < 1e-5, errors  # out, dq, dk, dv
+
+
+def test_the_load_balanced_layout_gives_each_rank_a_head_and_a_tail_chunk():
+    assert positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert positions(16, 2, 1, load_balance=False).tolist() == list(range(8, 16))
+    # every position exactly once
+    assert sorted(torch.cat([positions(24, 3, r) for r in range(3)]).tolist()) == list(range(24))
+    with pytest.raises(ValueError, match=r"sequence length 20 is not divisible by 2 x cp = 8"):
+        positions(20, 4, 0)
