@@ -76,3 +76,39 @@ def test_the_load_balanced_layout_gives_each_rank_a_head_and_a_tail_chunk():
     assert sorted(torch.cat([positions(24, 3, r) for r in range(3)]).tolist()) == list(range(24))
     with pytest.raises(ValueError, match=r"sequence length 20 is not divisible by 2 x cp = 8"):
         positions(20, 4, 0)
+
+
+def _against_torch(rotate):
+    """torch's context_parallel (which replaces SDPA inside it, as ours does) on the same shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    q, k, v, weight, _ = _inputs()
+    mesh = init_device_mesh("cpu", (cp,))
+    set_rotate_method({"ring": "alltoall", "allgather": "allgather"}[rotate])
+    buffers = [t.clone() for t in (q, k, v, weight)]
+    try:
+        with torch_context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+            tq, tk, tv = (t.clone().requires_grad_() for t in buffers[:3])
+            theirs = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+            (theirs * buffers[3]).sum().backward()
+    except Exception as e:  # what torch says, for the test to show
+        return f"torch: {type(e).__name__}: {e}"
+    lq, lk, lv = (shard_sequence(t, 2, cp, rank).requires_grad_() for t in (q, k, v))
+    ours = ring_attention(lq, lk, lv, rotate=rotate)
+    (ours * shard_sequence(weight, 2, cp, rank)).sum().backward()
+    pairs = [(ours, theirs), (lq.grad, tq.grad), (lk.grad, tk.grad), (lv.grad, tv.grad)]
+    return [(a.detach() - b.detach()).abs().max().item() for a, b in pairs]
+
+
+@pytest.mark.parametrize("rotate", ["ring", "allgather"])
+def test_torchs_context_parallel_does_not_run_on_cpu_so_there_is_nothing_to_compare_here(ranks, rotate):
+    """torch 2.13's ring attention has no CPU kernel (its SDPA dispatches to the CPU flash kernel,
+    which its DTensor has no rule for). The day it runs, this test fails and says to compare:
+    ``_against_torch`` returns the differences of output and gradients then."""
+    for result in ranks(2).run(_against_torch, rotate):
+        assert isinstance(result, str) and "_scaled_dot_product_flash_attention_for_cpu" in result, (
+            f"torch's context_parallel now runs on CPU: compare with it ({result})"
+        )
