@@ -2,16 +2,21 @@
 
 The world is laid out as one device mesh, outermost dim first::
 
-    dp_replicate x dp_shard x tp        (row-major: tp ranks are adjacent)
+    dp_replicate x dp_shard x cp x tp        (row-major: tp ranks are adjacent)
 
 - ``dp_replicate``: HSDP replica groups (each holds the whole model; gradients all-reduce
   across them). May span nodes.
 - ``dp_shard``: the ranks fully_shard shards parameters over (FSDP). With ``tp``, one shard
   group (``dp_shard x tp`` ranks) is what placement keeps inside a node.
+- ``cp``: context parallelism: each sequence is split over the cp ranks (ring attention). They
+  read the same batch and each takes its part of every sequence, so fully_shard shards over
+  ``dp_shard x cp`` (one flattened dim, ``dp_shard_cp``, as torchtitan does): their gradients
+  are averaged like data-parallel ones, which is right because every cp rank holds the same
+  number of tokens.
 - ``tp``: tensor parallelism, innermost, so a tensor-parallel group is consecutive ranks.
 
-The data-parallel ranks are ``dp_replicate x dp_shard``: every tensor-parallel rank of one
-data-parallel rank reads the same batch. A new dimension (pipeline, context, expert) is added
+The data-parallel ranks are ``dp_replicate x dp_shard``: every context- and tensor-parallel rank
+of one data-parallel rank reads the same batch. A new dimension (pipeline, context, expert) is added
 here: its size, its place in the mesh order, whether fully_shard shards over it, and what it
 does to the data-parallel rank; the trainer, placement and preflight read it from here.
 
@@ -28,9 +33,10 @@ if TYPE_CHECKING:
     from hpservice.dtensor import DeviceMesh
     from hpservice.spec import ParallelismSpec
 
-__all__ = ["DP_REPLICATE", "DP_SHARD", "TP", "ParallelDims"]
+__all__ = ["CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "TP", "ParallelDims"]
 
-DP_REPLICATE, DP_SHARD, TP = "dp_replicate", "dp_shard", "tp"  # the mesh's dim names, outer to inner
+DP_REPLICATE, DP_SHARD, CP, TP = "dp_replicate", "dp_shard", "cp", "tp"  # the mesh's dims, outer to inner
+DP_SHARD_CP = "dp_shard_cp"  # dp_shard and cp flattened: what fully_shard shards over with cp
 _DATA_PARALLEL = (DP_REPLICATE, DP_SHARD)
 
 
@@ -43,22 +49,25 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        sizes = (self.dp_replicate, self.dp_shard, self.tp)
-        if min(sizes) < 1 or self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+        sizes = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        if min(sizes) < 1 or self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
             raise ValueError(
-                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} != world size "
-                f"{self.world_size}"
+                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} != "
+                f"world size {self.world_size}"
             )
+        if self.cp > 1 and (self.tp > 1 or self.dp_replicate > 1):
+            raise ValueError("context parallelism with tp or dp_replicate is not built yet")
 
     @classmethod
     def from_spec(cls, parallelism: ParallelismSpec, world_size: int) -> ParallelDims:
         """The job's dims on ``world_size`` ranks (``dp_shard: -1`` takes the rest); raises the
         spec's SpecError, naming the fields, when they do not multiply to the world."""
         replicate, shard = parallelism.resolve(world_size)
-        return cls(replicate, shard, parallelism.tp, world_size)
+        return cls(replicate, shard, parallelism.tp, world_size, cp=parallelism.cp)
 
     # ---- sizes: pure, before any process group exists --------------------------------------
     @property
@@ -68,23 +77,24 @@ class ParallelDims:
 
     @property
     def shard_group_size(self) -> int:
-        """Ranks of one shard group, ``dp_shard x tp`` (the innermost dims): placement keeps one
-        inside a node."""
-        return self.dp_shard * self.tp
+        """Ranks of one shard group, ``dp_shard x cp x tp`` (the innermost dims): placement keeps
+        one inside a node."""
+        return self.dp_shard * self.cp * self.tp
 
     @property
     def mesh_dims(self) -> list[tuple[str, int]]:
         """(name, size) of the mesh's dims, outer to inner. Dims of size 1 are left out, except
-        ``dp_shard`` unless tp covers the whole world (so fully_shard always has a dim to shard
+        ``dp_shard`` unless tp or cp stands in for it (so fully_shard always has a dim to shard
         over when there is any data parallelism)."""
-        dims = [(DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (TP, self.tp)]
-        return [(n, s) for n, s in dims if s > 1 or (n == DP_SHARD and (self.tp == 1 or self.dp_replicate > 1))]
+        dims = [(DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (CP, self.cp), (TP, self.tp)]
+        keep_shard = self.cp == 1 and (self.tp == 1 or self.dp_replicate > 1)
+        return [(n, s) for n, s in dims if s > 1 or (n == DP_SHARD and keep_shard)]
 
     @property
     def fsdp_dim_names(self) -> tuple[str, ...]:
-        """The mesh dims fully_shard shards over (``(dp_replicate, dp_shard)`` is HSDP); empty
-        with tensor parallelism alone."""
-        return tuple(n for n, _ in self.mesh_dims if n in _DATA_PARALLEL)
+        """The mesh dims fully_shard shards over (``(dp_replicate, dp_shard)`` is HSDP; with cp,
+        ``dp_shard`` and ``cp``, flattened); empty with tensor parallelism alone."""
+        return tuple(n for n, _ in self.mesh_dims if n in (*_DATA_PARALLEL, CP))
 
     # ---- the mesh: after torch.distributed is initialised ----------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -104,9 +114,19 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        """The sub-mesh fully_shard shards over (None with tensor parallelism alone)."""
+        """The sub-mesh fully_shard shards over (None with tensor parallelism alone); with cp,
+        ``dp_shard x cp`` flattened into one dim."""
         names = self.fsdp_dim_names
-        return self.world_mesh[names] if names else None
+        if not names:
+            return None
+        if CP in names and len(names) > 1:
+            return self.world_mesh[names].flatten(DP_SHARD_CP)
+        return self.world_mesh[names]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The ranks one sequence is split over (None without context parallelism)."""
+        return self.world_mesh[CP] if self.cp > 1 else None
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -116,8 +136,13 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's data-parallel index, row-major over (dp_replicate, dp_shard): which slice
         of each global batch it reads."""
-        mesh, rank = self.dp_mesh, 0
-        if mesh is not None:
-            for i in range(mesh.ndim):
-                rank = rank * mesh.size(i) + mesh.get_local_rank(i)
+        rank = 0
+        for name, size in self.mesh_dims:
+            if name in _DATA_PARALLEL:
+                rank = rank * size + self.world_mesh.get_local_rank(name)
         return rank
+
+    @property
+    def cp_rank(self) -> int:
+        """Which part of each sequence this rank holds (0 without context parallelism)."""
+        return self.world_mesh.get_local_rank(CP) if self.cp > 1 else 0

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpservice.parallel.context_parallel import scaled_dot_product_attention
+
 
 @dataclass
 class LlamaConfig:
@@ -277,7 +279,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
         k, v = self.expand_kv(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # no mask is ever materialised
+        # F.scaled_dot_product_attention, or ring attention inside context_parallel (no mask is ever materialised)
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.project_out(out)
 
 
@@ -389,15 +392,18 @@ class Llama(nn.Module):
 
         apply_llama_tp(self, tp_mesh, sequence_parallel=sequence_parallel)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: LongTensor [B, S] with S <= max_seq_len -> logits [B, S, vocab_size]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: LongTensor [B, S] with S <= max_seq_len -> logits [B, S, vocab_size].
+        ``positions`` ([S], default ``0..S-1``): the global position of each token, for a shard of a
+        longer sequence (context parallelism: ``hpservice.parallel.context_parallel.positions``)."""
         seq_len = tokens.shape[1]
-        if seq_len > self.cfg.max_seq_len:
+        last = seq_len if positions is None else int(positions.max()) + 1
+        if last > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length {seq_len} is longer than LlamaConfig.max_seq_len ({self.cfg.max_seq_len})"
+                f"sequence length {last} is longer than LlamaConfig.max_seq_len ({self.cfg.max_seq_len})"
             )
         h = self.tok_embeddings(tokens)
-        rope = self.rope_cache[:seq_len]
+        rope = self.rope_cache[:seq_len] if positions is None else self.rope_cache[positions]
         for layer in self.layers:
             h = layer(h, rope)
         return self.output(self.norm(h))

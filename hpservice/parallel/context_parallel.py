@@ -54,6 +54,7 @@ __all__ = [
     "context_parallel_unshard",
     "positions",
     "ring_attention",
+    "scaled_dot_product_attention",
     "shard_sequence",
     "unshard_sequence",
 ]
@@ -305,6 +306,21 @@ def ring_attention(
 
 
 # ---- torch's context manager -------------------------------------------------------------------
+# The ring attention in force (set by context_parallel): a process-wide stack, not a thread-local
+# one, because activation checkpointing recomputes attention during backward, where torch's
+# function modes of the forward are not in force. Models call ``scaled_dot_product_attention``
+# below, which reads it; a model calling F.scaled_dot_product_attention gets it through the mode.
+_ACTIVE: list[dict] = []
+
+
+def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None):
+    """``F.scaled_dot_product_attention`` (no mask, no dropout), or ring attention over the cp
+    ranks inside ``context_parallel``: what the built-in models call."""
+    if not _ACTIVE:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, **_ACTIVE[-1])
+
+
 class _RingAttentionMode(TorchFunctionMode):
     """``F.scaled_dot_product_attention`` -> ``ring_attention`` over the cp group."""
 
@@ -363,10 +379,12 @@ def context_parallel(
         with torch.no_grad():
             buf.resize_(shard.shape).copy_(shard)
         originals.append((buf, whole))
+    _ACTIVE.append({"group": group, "load_balance": load_balance, "rotate": rotate, "document_ids": document_ids})
     try:
         with _RingAttentionMode(group, load_balance, rotate, document_ids):
             yield
     finally:
+        _ACTIVE.pop()
         for buf, whole in originals:
             if id(buf) not in no_restore:
                 with torch.no_grad():

@@ -101,10 +101,11 @@ def _message(err: dict) -> str:
 
 
 def _located(path: str, message: str) -> tuple[str, str]:
-    """A section validator's message that names a field inside it (``"model.flavor: ..."``)
-    is reported at that field."""
+    """A validator's message that names a field inside its section (``"model.flavor: ..."``), or
+    for the whole spec's validators any field (``"data.seq_len: ..."``), is reported at that field."""
     field, sep, rest = message.partition(": ")
-    if sep and field.startswith(path + ".") and " " not in field:
+    inside = field.startswith(path + ".") or (path == "<root>" and field.partition(".")[0] in JobSpec.model_fields)
+    if sep and inside and " " not in field:
         return field, rest
     return path, message
 

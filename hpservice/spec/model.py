@@ -162,6 +162,18 @@ class ParallelismSpec(_Section):
     tp: int = Field(
         1, ge=1, description="tensor parallel degree (the built-in llama); fully_shard then shards over the dp dims"
     )
+    cp: int = Field(
+        1,
+        ge=1,
+        description="context parallel degree: every sequence is split over cp ranks (load-balanced: a head and a "
+        "tail chunk each) and attention runs as ring attention; fully_shard shards over dp_shard x cp. "
+        "data.seq_len must be divisible by 2 x cp",
+    )
+    cp_rotate: Literal["ring", "allgather"] = Field(
+        "ring",
+        description="with cp > 1, how keys/values reach every rank: passed round a ring (ring), or gathered at once "
+        "(allgather: one collective, all of a sequence's keys/values on every rank)",
+    )
     sequence_parallel: bool = Field(
         False,
         description="with tp > 1: shard the residual stream, norms and their activations on the sequence dim "
@@ -188,17 +200,26 @@ class ParallelismSpec(_Section):
             raise ValueError("parallelism.sequence_parallel needs tp > 1 (it shards over the tensor-parallel ranks)")
         return self
 
+    @model_validator(mode="after")
+    def _context_parallel_composes_with_what_is_built(self):
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError("parallelism.cp > 1 with tp > 1 is not built yet: use one of them")
+        if self.cp > 1 and self.dp_replicate > 1:
+            raise ValueError("parallelism.cp > 1 with dp_replicate > 1 (HSDP) is not built yet: use dp_shard")
+        return self
+
     def resolve(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for ``world_size`` ranks."""
-        rest, rem = divmod(world_size, self.dp_replicate * self.tp)
+        fixed = self.dp_replicate * self.cp * self.tp
+        rest, rem = divmod(world_size, fixed)
         if rem:
-            raise SpecError(
-                f"parallelism: world size {world_size} is not divisible by dp_replicate x tp = {self.dp_replicate * self.tp}"
-            )
+            names = "dp_replicate x cp x tp" if self.cp > 1 else "dp_replicate x tp"
+            raise SpecError(f"parallelism: world size {world_size} is not divisible by {names} = {fixed}")
         shard = rest if self.dp_shard == -1 else self.dp_shard
-        if self.dp_replicate * shard * self.tp != world_size:
+        if fixed * shard != world_size:
+            cp = f" x cp {self.cp}" if self.cp > 1 else ""
             raise SpecError(
-                f"parallelism: dp_replicate {self.dp_replicate} x dp_shard {shard} x tp {self.tp} != world size {world_size}"
+                f"parallelism: dp_replicate {self.dp_replicate} x dp_shard {shard}{cp} x tp {self.tp} != world size {world_size}"
             )
         return self.dp_replicate, shard
 
@@ -443,9 +464,11 @@ class JobSpec(_Section):
         if p.dp_shard == -1:
             parallelism = p
         else:
-            replicate, rem = divmod(workers, p.dp_shard * p.tp)
-            if rem or replicate < 1:
-                raise SpecError(f"{workers} workers cannot hold shard groups of dp_shard {p.dp_shard} x tp {p.tp}")
+            group = p.dp_shard * p.cp * p.tp
+            replicate, rem = divmod(workers, group)
+            cp = f" x cp {p.cp}" if p.cp > 1 else ""
+            if rem or replicate < 1 or (p.cp > 1 and replicate > 1):  # HSDP with cp is not built yet
+                raise SpecError(f"{workers} workers cannot hold shard groups of dp_shard {p.dp_shard}{cp} x tp {p.tp}")
             parallelism = p.model_copy(update={"dp_replicate": replicate})
         replicate, shard = parallelism.resolve(workers)
         accum, rem = divmod(t.grad_accum * old_dp, replicate * shard)
@@ -498,6 +521,18 @@ class JobSpec(_Section):
                 "training.compile with parallelism.tp > 1 is not supported yet: hpservice's DTensor is not a traceable "
                 "tensor subclass (no __tensor_flatten__); compile composes with fully_shard (FSDP, HSDP) only"
             )
+        if self.training.compile and self.parallelism.cp > 1:
+            raise ValueError(
+                "training.compile with parallelism.cp > 1 is not built yet: ring attention runs in Python, "
+                "outside what compile traces"
+            )
+        cp = self.parallelism.cp
+        for where, data in (("data", self.data), ("eval.data", self.eval.data)):
+            if cp > 1 and data is not None and data.seq_len % (2 * cp):
+                raise ValueError(
+                    f"{where}.seq_len: {data.seq_len} is not divisible by 2 x parallelism.cp = {2 * cp} (context "
+                    "parallelism gives each rank a head and a tail chunk of every sequence)"
+                )
         return self
 
     @model_validator(mode="after")

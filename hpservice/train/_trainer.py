@@ -9,8 +9,10 @@ checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import math
@@ -35,6 +37,8 @@ from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
 from hpservice.models.hf import load_hf_weights
 from hpservice.parallel import ParallelDims, vocab_parallel_cross_entropy
+from hpservice.parallel.context_parallel import context_parallel
+from hpservice.parallel.context_parallel import positions as cp_positions
 from hpservice.spec import JobSpec, new_run_id
 
 from ._activation_checkpointing import apply_activation_checkpointing
@@ -301,8 +305,9 @@ class Trainer:
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.tp = self.parallel_dims.tp > 1
         self.dp_mesh = self.parallel_dims.dp_mesh
-        # every tensor-parallel rank of one data-parallel rank reads the same batch
+        # every context- and tensor-parallel rank of one data-parallel rank reads the same batch
         self.dp_rank, self.dp_size = self.parallel_dims.dp_rank, self.parallel_dims.dp_size
+        self.cp_mesh = self.parallel_dims.cp_mesh  # each sequence is split over it (ring attention)
 
         # Built on the meta device, laid out (tp, then fully_shard over the dp dims), then each rank
         # allocates and initialises only its own pieces: the full model never exists on one rank.
@@ -332,6 +337,11 @@ class Trainer:
         else:
             init_weights(self.model, self.mesh, spec.training.seed)
 
+        if self.cp_mesh is not None and "positions" not in inspect.signature(self.model.forward).parameters:
+            raise TrainingError(
+                "parallelism.cp > 1 needs a model whose forward takes positions= (the global position of each "
+                "token of its part of the sequence), as the built-in llama's does"
+            )
         freeze(self.model, spec.training.freeze)
         self._loss = torch.compile(cross_entropy_loss) if spec.training.compile else cross_entropy_loss
         self.optimizer = build_optimizer(self.model, spec)
@@ -528,8 +538,9 @@ class Trainer:
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
             if self.fsdp:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            loss = self._loss(self.model(x), y) / accum
-            loss.backward()
+            with self._context_parallel():  # backward too: activation checkpointing recomputes there
+                loss = self._micro_batch_loss(x, y) / accum
+                loss.backward()
             loss_sum += loss.detach()
         loss_value, self._stopping = _step_consensus(loss_sum, self._stop.is_set())
         if not math.isfinite(loss_value):
@@ -563,6 +574,22 @@ class Trainer:
         self._report(record)
         return record
 
+    def _micro_batch_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a micro-batch, ``x, y [B, S]``. Under context parallelism, of this
+        rank's part of each sequence (``cp_positions``: a head and a tail chunk), the model told
+        the tokens' global positions; every cp rank holds as many tokens, so the mean over ranks
+        (the loss reported, the gradients fully_shard averages) is the whole batch's."""
+        if self.cp_mesh is None:
+            return self._loss(self.model(x), y)
+        pos = cp_positions(x.shape[1], self.parallel_dims.cp, self.parallel_dims.cp_rank, device=x.device)
+        return self._loss(self.model(x.index_select(1, pos), positions=pos), y.index_select(1, pos))
+
+    def _context_parallel(self):
+        """Inside: scaled_dot_product_attention runs as ring attention over the cp ranks."""
+        if self.cp_mesh is None:
+            return contextlib.nullcontext()
+        return context_parallel(self.cp_mesh, rotate=self.spec.parallelism.cp_rotate)
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """The mean loss (and perplexity) on ``eval.steps`` fixed held-out batches, each
@@ -574,7 +601,8 @@ class Trainer:
             for k in range(e.steps):
                 x, y = self.eval_data.batch(k, self.dp_rank, self.dp_size, e.data.global_batch, e.data.seq_len)
                 x, y = x.to(self.device), y.to(self.device)
-                total += self._loss(self.model(x), y)
+                with self._context_parallel():
+                    total += self._micro_batch_loss(x, y)
         finally:
             self.model.train()
         if self.world > 1:  # each dp rank holds its part's loss (tp ranks the same value): the mean

@@ -112,3 +112,43 @@ def test_torchs_context_parallel_does_not_run_on_cpu_so_there_is_nothing_to_comp
         assert isinstance(result, str) and "_scaled_dot_product_flash_attention_for_cpu" in result, (
             f"torch's context_parallel now runs on CPU: compare with it ({result})"
         )
+
+
+# ---- training: a job with context parallelism trains like one process ---------------------------
+def _train(spec):
+    """Losses and grad norms of every step, and the final weights (whole tensors)."""
+    from hpservice.dtensor import DTensor
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    records = trainer.train()
+    weights = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in trainer.model.state_dict().items()
+    }
+    return [(r["loss"], r["grad_norm"]) for r in records], weights if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize(
+    ("world", "parallelism", "training"),
+    [
+        (2, {"cp": 2}, {}),
+        (4, {"cp": 4, "cp_rotate": "allgather"}, {}),
+        (4, {"dp_shard": 2, "cp": 2}, {"grad_accum": 2, "activation_checkpointing": "full"}),
+    ],
+    ids=["cp2", "cp4-allgather", "fsdp2xcp2-accum-ac"],
+)
+def test_training_with_context_parallelism_equals_one_process(ranks, tmp_path, world, parallelism, training):
+    from tests._jobs import tiny_llama_job
+
+    sections = {"training": {"steps": 8, **training}, "data": {"seq_len": 64}}
+    one_spec = tiny_llama_job(tmp_path / "one", **sections)
+    cp_spec = tiny_llama_job(tmp_path / "cp", **sections, parallelism=parallelism)
+    (one, one_weights), *_ = ranks(1).run(_train, one_spec)
+    (ours, weights), *_ = ranks(world).run(_train, cp_spec)
+    assert len(ours) == len(one) == 8
+    for (loss, norm), (loss1, norm1) in zip(ours, one, strict=True):
+        assert loss == pytest.approx(loss1, abs=1e-5) and norm == pytest.approx(norm1, abs=1e-5), (ours, one)
+    assert one_weights.keys() == weights.keys()
+    for k in one_weights:
+        assert (weights[k] - one_weights[k]).abs().max().item() < 1e-5, k
