@@ -152,3 +152,40 @@ def test_training_with_context_parallelism_equals_one_process(ranks, tmp_path, w
     assert one_weights.keys() == weights.keys()
     for k in one_weights:
         assert (weights[k] - one_weights[k]).abs().max().item() < 1e-5, k
+
+
+def _losses(spec):
+    from tests._jobs import train
+
+    return [r["loss"] for r in train(spec)]
+
+
+def test_a_checkpoint_of_a_cp_job_resumes_at_another_layout_and_continues_the_run(ranks, tmp_path):
+    """Saved under dp_shard 2 x cp 2 (parameters sharded over the flattened dp_shard_cp dim),
+    resumed on one process and on cp 2: steps 5-8 continue the uninterrupted cp run's losses."""
+    from tests._jobs import tiny_llama_job
+
+    sections = {"training": {"steps": 8}, "data": {"seq_len": 64}}
+    run = tiny_llama_job(tmp_path, **sections, parallelism={"dp_shard": 2, "cp": 2}, checkpoint={"interval": 4})
+    full = ranks(4).run(_losses, run)[0]
+    step4 = tmp_path / "ckpt" / "step-00000004"
+    for world, parallelism in ((1, {}), (2, {"cp": 2})):
+        again = tiny_llama_job(
+            tmp_path / f"again-{world}", **sections, parallelism=parallelism, checkpoint={"resume_from": str(step4)}
+        )
+        resumed = ranks(world).run(_losses, again)[0]
+        assert resumed == pytest.approx(full[4:], abs=1e-5), (world, resumed, full[4:])
+
+
+def test_parallel_dims_with_cp():
+    from hpservice.parallel_dims import ParallelDims
+    from hpservice.spec import ParallelismSpec, SpecError
+
+    d = ParallelDims.from_spec(ParallelismSpec(cp=2), 4)
+    assert (d.dp_shard, d.cp, d.dp_size, d.shard_group_size) == (2, 2, 2, 4)
+    assert d.mesh_dims == [("dp_shard", 2), ("cp", 2)] and d.fsdp_dim_names == ("dp_shard", "cp")
+    assert ParallelDims.from_spec(ParallelismSpec(cp=4), 4).mesh_dims == [("cp", 4)]
+    with pytest.raises(SpecError, match="not divisible by dp_replicate x cp x tp = 4"):
+        ParallelDims.from_spec(ParallelismSpec(cp=4), 6)
+    with pytest.raises(ValueError, match="with tp > 1 is not built yet"):
+        ParallelismSpec(cp=2, tp=2)
