@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import ac, checkpoint, fsdp, gpu, hf, overhead, plan, redistribute, scheduler, service, tp
+from hpservice.bench import ac, checkpoint, cp, fsdp, gpu, hf, overhead, plan, redistribute, scheduler, service, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     redistribute.add_parser(sub)
     ac.add_parser(sub)
     checkpoint.add_parser(sub)
+    cp.add_parser(sub)
     fsdp.add_parser(sub)
     service.add_parser(sub)
     tp.add_parser(sub)
