@@ -8,7 +8,11 @@ Dependencies are plain functions, so FastAPI runs them in its thread pool: the d
 
 from __future__ import annotations
 
+import re
+
 from fastapi import Depends, Request
+
+from hpservice.spec import RUN_ID_PATTERN
 
 from .auth import current_principal, get_settings, visible
 from .errors import APIError
@@ -29,8 +33,9 @@ def get_supervisor(request: Request) -> Supervisor:
 
 def visible_job(job_id: str, store: Store = Depends(get_store), principal: Principal = Depends(current_principal)) -> dict:
     """The job ``job_id`` names, if its caller may see it (its owner, or an admin); 404 otherwise,
-    the same as for a job that does not exist."""
-    job = store.get_job(job_id)
+    the same as for a job that does not exist (an id no job can have is not looked up: a NUL
+    byte, say, would reach PostgreSQL)."""
+    job = store.get_job(job_id) if re.fullmatch(RUN_ID_PATTERN, job_id) else None
     if not visible(principal, job):
         raise APIError(404, f"job {job_id} not found")
     return job

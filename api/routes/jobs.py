@@ -6,6 +6,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -16,9 +17,19 @@ import yaml
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from hpservice.jobs import TERMINAL_STATES
+from hpservice.jobs import TERMINAL_STATES, JobState
 from hpservice.preflight import check_layout, raise_if
-from hpservice.spec import INT64, JobSpec, SpecError, new_run_id, parse_job, yaml_error, yaml_load
+from hpservice.spec import (
+    INT64,
+    NAME_PATTERN,
+    RUN_ID_PATTERN,
+    JobSpec,
+    SpecError,
+    new_run_id,
+    parse_job,
+    yaml_error,
+    yaml_load,
+)
 
 from ..admission import admit, job_dir
 from ..auth import current_principal
@@ -166,9 +177,13 @@ def _cursor(cursor: str | None) -> tuple[float, str] | None:
         return None
     try:
         created, job_id = json.loads(base64.urlsafe_b64decode(cursor.encode()).decode())
-        return float(created), str(job_id)
+        created = float(created)
     except Exception:
         raise APIError(400, "invalid cursor") from None
+    # what the store will compare with: a time and a job id (a NUL byte would reach PostgreSQL)
+    if not math.isfinite(created) or not isinstance(job_id, str) or not re.fullmatch(RUN_ID_PATTERN, job_id):
+        raise APIError(400, "invalid cursor")
+    return created, job_id
 
 
 @router.get("", response_model=JobList)
@@ -176,9 +191,9 @@ def list_jobs(
     principal: Principal = Depends(current_principal),
     settings: Settings = Depends(get_settings),
     store: Store = Depends(get_store),
-    state: str | None = Query(None, max_length=16),
-    name: str | None = Query(None, max_length=80),
-    owner: str | None = Query(None, max_length=80),
+    state: JobState | None = Query(None, description="only jobs in this state"),
+    name: str | None = Query(None, pattern=NAME_PATTERN, description="only jobs of this name"),
+    owner: str | None = Query(None, pattern=NAME_PATTERN, description="only this owner's jobs (admins)"),
     limit: int = Query(50, ge=1, le=500),
     cursor: str | None = Query(None, max_length=400),
 ):

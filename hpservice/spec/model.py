@@ -334,6 +334,7 @@ class MetricsSpec(_Section):
 
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # job names, run ids, owners: safe path components
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$"  # new_run_id: a name, "-", 8 hex digits (the store's 80)
 
 
 def new_run_id(name: str) -> str:

@@ -1,7 +1,7 @@
 """The training loop of a job. It knows nothing of Ray: it runs under torchrun, in a test's rank
 pool, or inside a Ray worker actor, wherever torch.distributed's env:// variables are set.
 
-Read it top to bottom: ``Trainer.__init__`` builds the mesh (``ParallelDims``: dp_replicate x dp_shard x tp),
+Read it top to bottom: ``Trainer.__init__`` builds the mesh (``ParallelDims``: dp_replicate x dp_shard x cp x tp),
 the model (on the meta device, laid out by tensor parallelism and fully_shard, then each rank
 allocates and initialises only its own pieces), the optimizer, the LR schedule, the data and the
 checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves checkpoints.
@@ -299,8 +299,8 @@ class Trainer:
             run_id = [new_run_id(spec.name) if self.rank == 0 else None]
             dist.broadcast_object_list(run_id, src=0)
             spec = self.spec = spec.with_run(run_id[0])
-        # the mesh (dp_replicate x dp_shard x tp), the dims fully_shard shards over, this rank's
-        # data-parallel rank and size: one object (hpservice/parallel/parallel_dims.py)
+        # the mesh (dp_replicate x dp_shard x cp x tp), the dims fully_shard shards over, this rank's
+        # data-parallel rank and size: one object (hpservice/parallel_dims.py)
         self.parallel_dims = ParallelDims.from_spec(spec.parallelism, self.world)
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.tp = self.parallel_dims.tp > 1

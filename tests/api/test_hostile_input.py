@@ -98,6 +98,27 @@ def test_query_and_header_integers_past_int64(client):
         assert r.status_code == 400, (bad, r.text)
 
 
+def test_nul_bytes_in_filters_ids_and_cursors_never_reach_the_database(client):
+    """PostgreSQL refuses NUL in text: found by the fuzzer as a 500 for ``GET /v1/jobs?name=%00``.
+    Filters are checked against what a name, owner or state can be (422), an id no job can have
+    is not looked up (404), and a cursor must hold a time and a job id (400)."""
+    import base64
+    import json
+
+    job = client.post("/v1/jobs", json=SPEC).json()
+    for params in ({"name": "\x00"}, {"owner": "a\x00"}, {"state": "\x00"}, {"state": "RUNNNING"}):
+        r = client.get("/v1/jobs", params=params)
+        assert r.status_code == 422, (params, r.text)
+    assert client.get("/v1/jobs/%00").status_code == 404
+    assert client.get("/v1/jobs/x%0A").status_code == 404
+    for cursor in ([1.0, "\x00"], [float("nan"), job["id"]], [1.0, 2]):
+        encoded = base64.urlsafe_b64encode(json.dumps(cursor).encode()).decode()
+        assert client.get("/v1/jobs", params={"cursor": encoded}).status_code == 400, cursor
+    # and the filters that are well formed still work
+    assert [j["id"] for j in client.get("/v1/jobs", params={"name": job["name"], "state": "QUEUED"}).json()["items"]] == [job["id"]]
+    assert client.get(f"/v1/jobs/{job['id']}").status_code == 200
+
+
 def test_an_idempotency_key_reused_with_a_different_body_is_409(client):
     key = {"Idempotency-Key": "k1"}
     first = client.post("/v1/jobs", json=SPEC, headers=key)
