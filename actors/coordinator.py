@@ -208,7 +208,8 @@ class Coordinator:
             self._arrivals += 1
             self._metrics.append((self._arrivals, record))
             self._reported_up_to = max(self._reported_up_to, record["step"])
-            self._step = record["step"]
+            # max: a threaded actor may run one caller's calls out of order (step 2's before step 1's)
+            self._step = max(self._step, record["step"])
         tags = {"job": self.job_id, "rank": "0"}
         for key, gauge in self._gauges.items():
             if key in record and record[key] is not None:
@@ -494,6 +495,9 @@ class Coordinator:
         self._stop_sent_at = None
         self._first_step = None
         self._room_seen_at = None
+        if resume:  # the step this attempt goes on from: its reports count up from there
+            with self._lock:
+                self._step = max((c["step"] for c in self._checkpoints), default=0)
         return f"{n} workers on {len({a.node_id for a in addresses})} node(s), rendezvous {master_addr}:{master_port}"
 
     def _record_placement(self, addresses) -> None:

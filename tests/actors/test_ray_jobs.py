@@ -135,6 +135,21 @@ def test_hang_is_detected_within_the_timeout(cluster, tmp_path):
     _finish(handle)
 
 
+def test_a_report_that_runs_after_a_later_steps_does_not_move_the_step_back(cluster, tmp_path):
+    """The coordinator runs calls on several threads, so Ray may run step 1's report after step
+    2's; the job's step is the last one completed all the same (CI once saw a job fail "after step
+    2" whose status still said step 1)."""
+    from hpservice.actors.coordinator import Coordinator
+
+    coordinator = Coordinator.options(namespace=NAMESPACE).remote("order-0", _spec(tmp_path, "order"))
+    try:
+        for step in (2, 1):  # one at a time: this order, whatever the threads do
+            ray.get(coordinator.report.remote({"step": step, "loss": 1.0}))
+        assert ray.get(coordinator.status.remote())["step"] == 2
+    finally:
+        ray.kill(coordinator)
+
+
 class SlowFirstStep(HangOnRank1):
     def forward(self, x):
         self.calls += 1
