@@ -223,14 +223,27 @@ class DeviceMesh:
 
     # ---- sub-meshes ---------------------------------------------------------------------
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
-        """Sub-mesh over the named dims, through this rank; shares this mesh's process groups."""
+        """Sub-mesh over the named dims, through this rank; shares this mesh's process groups. As
+        torch's: the dims in this mesh's order (a transposed sub-mesh would flatten to another rank
+        order)."""
         names = (names,) if isinstance(names, str) else tuple(names)
-        if (
-            len(names) == 1
-            and names[0] in self._root._flattened
-            and (not self.mesh_dim_names or names[0] not in self.mesh_dim_names)
-        ):
+        if len(names) == 1 and self._is_flattened_name(names[0]):
             return self._root._flattened[names[0]]
+        if self.mesh_dim_names and all(n in self.mesh_dim_names for n in names):
+            dims = [self.mesh_dim_names.index(n) for n in names]
+            if len(set(dims)) == len(dims) and dims != sorted(dims):
+                raise KeyError(
+                    f"Invalid mesh_dim_names {names} specified. Mesh dim indices should be in ascending order "
+                    f"(this mesh's dims: {self.mesh_dim_names})"
+                )
+        return self._slice(names)
+
+    def _is_flattened_name(self, name: str) -> bool:
+        return name in self._root._flattened and (not self.mesh_dim_names or name not in self.mesh_dim_names)
+
+    def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh over ``names`` in the order given (a transposed one too: fully_shard's mesh
+        of a tensor-parallel parameter puts the data-parallel dims first)."""
         if not self.mesh_dim_names:
             raise KeyError("cannot slice a DeviceMesh without mesh_dim_names")
         dims = [self._dim(n) for n in names]
@@ -308,12 +321,12 @@ def _rebuild_mesh(device_type, root_mesh, root_names, root_dims, names, flat_nam
     if root is None:
         root = DeviceMesh(device_type, mesh_t, mesh_dim_names=root_names)
     if flat_name is not None:
-        return root._flattened.get(flat_name) or root[tuple(root.mesh_dim_names[d] for d in root_dims)].flatten(
+        return root._flattened.get(flat_name) or root._slice(tuple(root.mesh_dim_names[d] for d in root_dims)).flatten(
             flat_name
         )
     if tuple(root_dims) == tuple(range(root.ndim)):
         return root
-    return root[tuple(names)]
+    return root._slice(tuple(names))
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:

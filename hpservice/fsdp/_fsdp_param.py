@@ -49,7 +49,7 @@ def combined_mesh(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
     if not root.mesh_dim_names:
         raise ValueError("fully_shard: a DTensor parameter needs a root mesh with mesh_dim_names")
     names = tuple(root.mesh_dim_names[d] for d in first._root_dims + second._root_dims)
-    return root[names]
+    return root._slice(names)
 
 
 class FSDPParam:

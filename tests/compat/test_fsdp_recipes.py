@@ -295,6 +295,26 @@ def test_integer_reshard_after_forward_follows_torch_rules(ranks):
     ranks(2).run(_check_int_reshard_after_forward)
 
 
+def _check_flatten_and_slices_as_torch():
+    """Data sharded by the flattened rank must split the same way as under torch's mesh."""
+    from torch.distributed.device_mesh import init_device_mesh as t_mesh
+
+    ours = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    theirs = t_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for o, t in ((ours._flatten("dp"), theirs._flatten("dp")), (ours["dp_shard"], theirs["dp_shard"])):
+        assert o.mesh.tolist() == t.mesh.tolist()
+        assert o.get_local_rank() == t.get_local_rank()
+        assert dist.get_process_group_ranks(o.get_group()) == dist.get_process_group_ranks(t.get_group())
+    for mesh in (ours, theirs):  # a transposed sub-mesh: both refuse
+        with pytest.raises(KeyError, match="ascending order"):
+            mesh["dp_shard", "dp_replicate"]
+    return True
+
+
+def test_flatten_and_sub_meshes_give_torchs_ranks_and_refuse_transposed_dims(ranks):
+    ranks(4).run(_check_flatten_and_slices_as_torch)
+
+
 def _check_int_reshard_not_built():
     with pytest.raises(NotImplementedError, match="not built yet"):
         fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (4,)), reshard_after_forward=2)

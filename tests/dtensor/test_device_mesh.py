@@ -20,9 +20,12 @@ def _check_basic_2d():
     tp = mesh["tp"]
     assert tp.ndim == 1 and tp.get_group() is mesh.get_group("tp")
     assert tp.mesh.tolist() == [2 * (rank // 2), 2 * (rank // 2) + 1]
-    both = mesh["tp", "dp"]
+    both = mesh["dp", "tp"]
     assert both.get_group("dp") is mesh.get_group("dp") and both.shape == (2, 2)
-    assert both.mesh.tolist() == mesh.mesh.t().tolist()
+    assert both.mesh.tolist() == mesh.mesh.tolist()
+    # As torch's: dims out of order would flatten to another rank order ([0, 2, 1, 3]).
+    with pytest.raises(KeyError, match="ascending order"):
+        mesh["tp", "dp"]
     # A collective on a sub-mesh group reaches exactly its members.
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=tp.get_group())
