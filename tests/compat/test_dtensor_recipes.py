@@ -144,6 +144,38 @@ def test_random_like_factories_and_torch_seeding(ranks):
     ranks(2).run(_check_random_like_and_seeding)
 
 
+def _check_random_op_on_shards_against_torch():
+    """Why ours differs from torch's DTensor RNG (docs/compat.md): on a CPU mesh torch 2.13 has none
+    (its OffsetBasedRNGTracker needs CUDA), so after torch.manual_seed(s) on every rank a random op on
+    a Shard(0) DTensor draws each rank's own generator: every piece holds the same numbers, and the
+    global tensor is not one that a single device draws. Ours: pieces differ, and the global tensor
+    is the one fully replicated placements draw."""
+    import warnings
+
+    import torch.distributed.tensor as t
+
+    world = dist.get_world_size()
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "DTensor random operators may not have complete support on cpu"
+        theirs = t.distribute_tensor(torch.zeros(4 * world, 3), t.init_device_mesh("cpu", (world,)), [t.Shard(0)])
+        theirs = theirs.uniform_().full_tensor()
+    torch.manual_seed(3)
+    assert torch.equal(theirs[:4], torch.rand(4, 3))  # rank 0's generator, on every rank...
+    assert all(torch.equal(theirs[:4], theirs[4 * r : 4 * r + 4]) for r in range(world))  # ...repeated
+    mesh = ours.init_device_mesh("cpu", (world,))
+    ours.random.manual_seed(3)
+    sharded = ours.distribute_tensor(torch.zeros(4 * world, 3), mesh, [ours.Shard(0)]).uniform_().full_tensor()
+    ours.random.manual_seed(3)
+    replicated = ours.distribute_tensor(torch.zeros(4 * world, 3), mesh, [ours.Replicate()]).uniform_().full_tensor()
+    assert torch.equal(sharded, replicated) and not torch.equal(sharded[:4], sharded[4:8])
+    return True
+
+
+def test_a_random_op_on_shards_differs_from_torchs_cpu_dtensor_where_torch_repeats_pieces(ranks):
+    ranks(2).run(_check_random_op_on_shards_against_torch)
+
+
 # ---- layouts of pointwise ops and of gradients ------------------------------------------------------
 
 
