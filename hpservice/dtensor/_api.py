@@ -47,6 +47,12 @@ class DTensor(torch.Tensor):
             layout=local_tensor.layout,
             requires_grad=requires_grad,
         )
+        # The lazy conjugate / negative bits of the local tensor (torch.conj, _neg_view) are the
+        # DTensor's too: resolve_conj() and is_conj() read them from the wrapper.
+        if local_tensor.is_conj():
+            torch._C._set_conj(r, True)
+        if local_tensor.is_neg():
+            torch._C._set_neg(r, True)
         r._local_tensor = local_tensor
         r._spec = spec
         r._pending = None

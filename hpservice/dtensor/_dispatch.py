@@ -202,7 +202,9 @@ def _wrap(out, spec):
             spec = DTensorSpec(spec.mesh, spec.placements, spec.shape)
         return DTensor(out, spec, requires_grad=False)
     if isinstance(out, tuple | list):
-        specs = spec if isinstance(spec, tuple) else (spec,) * len(out)
+        # LocalShaped is a NamedTuple, yet one spec for every output (a replicated fallback)
+        several = isinstance(spec, tuple) and not isinstance(spec, LocalShaped)
+        specs = spec if several else (spec,) * len(out)
         return type(out)(_wrap(o, s) for o, s in zip(out, specs, strict=True))
     return out
 

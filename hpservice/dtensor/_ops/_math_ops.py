@@ -154,10 +154,11 @@ def _argmax_rule(func, args, kwargs) -> Decision:
 _VAR_STD = (aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim, aten.var.default, aten.std.default)
 
 
-@register(*_VAR_STD)
+@register(*_VAR_STD, aten.var_mean.correction, aten.std_mean.correction)
 def _var_rule(func, args, kwargs) -> Decision:
-    """var/std need the global mean of the reduced dims: a sharded reduced dim is gathered first
-    (exact; no merge of per-rank moments), Partials are reduced; shards of other dims stay."""
+    """var/std (and var_mean/std_mean, two outputs of one layout) need the global mean of the
+    reduced dims: a sharded reduced dim is gathered first (exact; no merge of per-rank moments),
+    Partials are reduced; shards of other dims stay."""
     x = args[0]
     if func in (aten.var.default, aten.std.default):
         dims, keepdim = tuple(range(x.ndim)), False
@@ -166,7 +167,10 @@ def _var_rule(func, args, kwargs) -> Decision:
         positional = func in (aten.var.dim, aten.std.dim) and len(args) > 3
         keepdim = bool(args[3] if positional else kwargs.get("keepdim", False))
     target, _, out, shape = _reduction(x, dims, keepdim, None)
-    return Decision((target,), _spec(x, out, shape))
+    out_spec = _spec(x, out, shape)
+    if func in (aten.var_mean.correction, aten.std_mean.correction):
+        return Decision((target,), (out_spec, out_spec))
+    return Decision((target,), out_spec)
 
 
 @register(aten.cumsum.default)

@@ -36,6 +36,10 @@ _LAYOUT_OPS = {
     aten.copy_.default, aten.zero_.default, aten.fill_.Scalar, aten._to_copy.default, aten.clone.default,
     aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Tensor,
 }  # fmt: skip
+# Elementwise ops without torch's pointwise tag (rsub, activation backwards).
+_UNTAGGED_ELEMENTWISE = {
+    aten.rsub.Tensor, aten.rsub.Scalar, aten.elu_backward.default, aten.hardtanh_backward.default,
+}  # fmt: skip
 # torch.optim's fused=True kernels: per-tensor elementwise updates over lists (params, grads, states).
 _FUSED_OPTIMIZERS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 
@@ -50,7 +54,7 @@ def _is_pointwise_name(base: str) -> bool:
 
 
 def _is_pointwise(func) -> bool:
-    return func in _LAYOUT_OPS or torch.Tag.pointwise in func.tags
+    return func in _LAYOUT_OPS or func in _UNTAGGED_ELEMENTWISE or torch.Tag.pointwise in func.tags
 
 
 def _is_foreach(func) -> bool:

@@ -120,7 +120,16 @@ def decide(func, args: tuple, kwargs: tuple, mesh_ids: tuple = ()) -> Decision:
         if all(s.is_replicated() for s in specs):
             return Decision(tuple(specs), LocalShaped(mesh))
         raise RuleError("this operator has no sharding rule yet")
-    decision = rule(func, args, dict(kwargs))
+    try:
+        decision = rule(func, args, dict(kwargs))
+    except (AttributeError, TypeError):
+        # A rule reads its tensor operands as specs; a plain 0-d tensor among them (a scalar the
+        # caller passed as a tensor) is fine when every DTensor is replicated: local = global.
+        if not any(isinstance(x, PlainTensor) for a in args for x in (a if isinstance(a, tuple) else (a,))):
+            raise
+        if all(s.is_replicated() for s in specs):
+            return Decision(tuple(specs), LocalShaped(mesh))
+        raise RuleError("a plain torch.Tensor operand where this rule needs DTensors; distribute it first") from None
     if func.is_view:
         decision = _with_view_strides(func, args, kwargs, decision)
     return decision

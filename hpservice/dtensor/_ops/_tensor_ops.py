@@ -257,3 +257,57 @@ def _flip_rule(func, args, kwargs) -> Decision:
     dims = {d % max(x.ndim, 1) for d in args[1]}
     target = _spec(x, _gather_dims(x, dims, partial_ok=True), x.shape)
     return Decision((target,), target)
+
+
+@register(aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default)
+def _triangle_rule(func, args, kwargs) -> Decision:
+    """``tril`` / ``triu``: which elements stay depends on their (row, column) in the whole
+    matrix, so the last two dims are gathered when sharded; batch shards and linear Partials stay
+    (zeroing elements is linear)."""
+    x = args[0]
+    if x.ndim < 2:
+        raise RuleError("tril/triu need at least 2 dims")
+    target = _spec(x, _gather_dims(x, {x.ndim - 2, x.ndim - 1}, partial_ok=True), x.shape)
+    return Decision((target,), target)
+
+
+@register(aten.roll.default)
+def _roll_rule(func, args, kwargs) -> Decision:
+    """``roll(shifts, dims)``: a rolled dim is gathered when sharded (elements cross shards); with no
+    ``dims`` the flattened tensor rolls, so every dim is. Other shards and linear Partials stay."""
+    x = args[0]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims", ())
+    rolled = {d % max(x.ndim, 1) for d in dims} if dims else set(range(x.ndim))
+    target = _spec(x, _gather_dims(x, rolled, partial_ok=True), x.shape)
+    return Decision((target,), target)
+
+
+@register(aten.repeat.default)
+def _repeat_rule(func, args, kwargs) -> Decision:
+    """``repeat(repeats)``: ``repeats`` may add leading dims; a shard stays (on its shifted dim)
+    where that dim is repeated once, else it is gathered; linear Partials stay (repeat is linear)."""
+    x, repeats = args[0], list(args[1])
+    lead = len(repeats) - x.ndim
+    if lead < 0:
+        raise RuleError("fewer repeats than dims")
+    placements = _gather_dims(x, {d for d in range(x.ndim) if repeats[d + lead] != 1}, partial_ok=True)
+    out = [Shard(p.dim + lead) if p.is_shard() else p for p in placements]
+    shape = tuple(r * (x.shape[i - lead] if i >= lead else 1) for i, r in enumerate(repeats))
+    return Decision((_spec(x, placements, x.shape),), DTensorSpec(x.mesh, tuple(out), shape))
+
+
+@register(aten.constant_pad_nd.default)
+def _pad_rule(func, args, kwargs) -> Decision:
+    """``F.pad(x, pad, value=v)``: ``pad`` pairs run from the last dim backwards; a padded dim is
+    gathered when sharded (the pad lands on the first and last ranks only). Other shards stay;
+    linear Partials stay when ``v`` is 0 (each piece padded with zeros sums to the padded sum)."""
+    x, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    padded = {x.ndim - 1 - i // 2 for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]}
+    placements = _gather_dims(x, padded, partial_ok=value == 0)
+    shape = list(x.shape)
+    for i in range(0, len(pad), 2):
+        shape[x.ndim - 1 - i // 2] += pad[i] + pad[i + 1]
+    if any(n < 0 for n in shape):
+        raise RuleError(f"negative output size {tuple(shape)}")
+    return Decision((_spec(x, placements, x.shape),), DTensorSpec(x.mesh, tuple(placements), tuple(shape)))

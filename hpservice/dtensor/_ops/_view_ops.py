@@ -153,6 +153,8 @@ def _squeeze_rule(func, args, kwargs) -> Decision:
     x = args[0]
     if func is aten.squeeze.default:
         dims = tuple(range(x.ndim))
+    elif func is aten.squeeze.dims and len(args[1]) == 0:
+        dims = ()  # squeeze(dim=()) squeezes nothing (a reduction's dim=() means every dim)
     else:
         dims = _reduce_dims(x, args[1]) if x.ndim else ()
     gone = {d for d in dims if x.shape[d] == 1}
