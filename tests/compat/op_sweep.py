@@ -205,7 +205,7 @@ def check_sample(op, sample, engine: Engine, placement: str, backward: bool) -> 
             got_grads = [_plain(g) for g in got_grads]
     except Exception as e:
         first = (str(e).splitlines() or [""])[0]
-        return ("refuse" if _refusal(e) else "crash"), f"{type(e).__name__}: {first[:200]}"
+        return ("refuse" if _refusal(e) else "crash"), f"{type(e).__name__}: {first}"
     if len(got_out) != len(want_out) or not all(_same(w, g) for w, g in zip(want_out, got_out, strict=True)):
         return "silent", "forward differs from the plain op"
     if len(got_grads) != len(want_grads) or not all(

@@ -131,6 +131,52 @@ def _local_minmax(func, args, kwargs, *, op, dims, keepdim, shape):
     return func(*args, **kwargs)
 
 
+_ANY_ALL = (aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
+
+
+@register(*_ANY_ALL)
+def _any_all_rule(func, args, kwargs) -> Decision:
+    """``any`` / ``all``: a sharded reduced dim is gathered first (a boolean has no Partial the
+    backends reduce); shards of other dims stay, Partials are reduced."""
+    x = args[0]
+    dims, keepdim = _reduce_args(x, args, kwargs, whole=func in (aten.any.default, aten.all.default))
+    target, _, out, shape = _reduction(x, dims, keepdim, None)
+    return Decision((target,), _spec(x, out, shape))
+
+
+@register(aten.kthvalue.default, aten.mode.default, aten.aminmax.default)
+def _gathered_reduction_rule(func, args, kwargs) -> Decision:
+    """``kthvalue(k, dim, keepdim)``, ``mode(dim, keepdim)``, ``aminmax(dim=, keepdim=)``: two
+    outputs of one layout; the reduced dim is gathered when sharded (order statistics need it
+    whole), Partials are reduced, other shards stay."""
+    x = args[0]
+    if func is aten.kthvalue.default:
+        dim, keepdim = (
+            (args[2] if len(args) > 2 else kwargs.get("dim", -1)),
+            (args[3] if len(args) > 3 else kwargs.get("keepdim", False)),
+        )
+    elif func is aten.mode.default:
+        dim, keepdim = (
+            (args[1] if len(args) > 1 else kwargs.get("dim", -1)),
+            (args[2] if len(args) > 2 else kwargs.get("keepdim", False)),
+        )
+    else:
+        dim, keepdim = kwargs.get("dim"), kwargs.get("keepdim", False)
+    dims = tuple(range(x.ndim)) if dim is None else (dim % max(x.ndim, 1),)
+    target, _, out, shape = _reduction(x, dims, bool(keepdim), None)
+    out_spec = _spec(x, out, shape)
+    return Decision((target,), (out_spec, out_spec))
+
+
+@register(aten.logcumsumexp.default)
+def _logcumsumexp_rule(func, args, kwargs) -> Decision:
+    """A running log-sum-exp along ``dim`` needs the whole dim (gathered when sharded); it is not
+    linear, so Partials are reduced."""
+    x = args[0]
+    target = _spec(x, _gather_dims(x, {args[1] % max(x.ndim, 1)}), x.shape)
+    return Decision((target,), target)
+
+
 @register(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
 def _argmax_rule(func, args, kwargs) -> Decision:
     """Ops returning indices: a sharded reduced dim is gathered first (indices cannot be reduced
@@ -381,7 +427,7 @@ def _layer_norm_backward_rule(func, args, kwargs) -> Decision:
 # ---- softmax / log-softmax ------------------------------------------------------------------------
 
 
-@register(aten._softmax.default, aten._log_softmax.default)
+@register(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def _softmax_rule(func, args, kwargs) -> Decision:
     x = args[0]
     dim = args[1] % max(x.ndim, 1)

@@ -38,7 +38,9 @@ _LAYOUT_OPS = {
 }  # fmt: skip
 # Elementwise ops without torch's pointwise tag (rsub, activation backwards).
 _UNTAGGED_ELEMENTWISE = {
-    aten.rsub.Tensor, aten.rsub.Scalar, aten.elu_backward.default, aten.hardtanh_backward.default,
+    aten.rsub.Tensor, aten.rsub.Scalar, aten.floor_divide.default, aten.fill.Scalar, aten._conj.default,
+    aten.elu_backward.default, aten.hardtanh_backward.default, aten.leaky_relu_backward.default,
+    aten.mish_backward.default, aten.softplus_backward.default,
 }  # fmt: skip
 # torch.optim's fused=True kernels: per-tensor elementwise updates over lists (params, grads, states).
 _FUSED_OPTIMIZERS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}

@@ -95,10 +95,22 @@ def rule_for(func) -> tuple[Callable | None, bool]:
     """(rule, scalar_free) of ``func``; (None, False) when no rule is registered."""
     if func in RULES:
         return RULES[func], func in _SCALAR_FREE
+    name = func.overloadpacket.__name__
+    if name.endswith("_copy") and name != "_copy":
+        # view_copy, transpose_copy...: the layout of the view they copy, in new memory.
+        view = getattr(getattr(torch.ops.aten, name[: -len("_copy")], None), func._overloadname, None)
+        if view is not None and view in RULES:
+            rule = RULES[view]
+            return functools.partial(_copy_of_view_rule, rule, view), view in _SCALAR_FREE
     for claims, rule, scalar_free in _FAMILIES:
         if claims(func):
             return rule, scalar_free
     return None, False
+
+
+def _copy_of_view_rule(rule, view, func, args, kwargs) -> Decision:
+    """A ``*_copy`` op decided as its view (the view rules read which overload they serve)."""
+    return rule(view, args, kwargs)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -83,7 +83,7 @@ def _split_target(x: DTensorSpec, dim: int) -> list[Placement]:
     return [_R if p.is_shard(dim) else p for p in x.placements]
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+@register(aten.split.Tensor, aten.unsafe_split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 def _split_rule(func, args, kwargs) -> Decision:
     x = args[0]
     if func is aten.unbind.int:
@@ -98,7 +98,7 @@ def _split_rule(func, args, kwargs) -> Decision:
         out = [Shard(p.dim - (p.dim > dim)) if p.is_shard() else p for p in placements]
         spec = DTensorSpec(x.mesh, tuple(out), x.shape[:dim] + x.shape[dim + 1 :])
         return Decision((target,), (spec,) * n)
-    if func is aten.split.Tensor:
+    if func in (aten.split.Tensor, aten.unsafe_split.Tensor):
         size = args[1]
         sizes = [min(size, n - i) for i in range(0, n, size)] if size > 0 else [n]
         sizes = sizes or [0]
