@@ -1,18 +1,22 @@
 """``python -m hpservice.bench plan``: the numbers that matter past this machine, on paper.
 
 For a Llama flavor on ``--gpus`` GPUs (``--gpus-per-node`` each node) under a layout
-(``--tp``, ``--dp-shard``; ``dp_replicate`` is the rest), it computes per rank:
+(``--tp``, ``--cp``, ``--dp-shard``; ``dp_replicate`` is the rest), it computes per rank:
 
 - **memory**: the sharded fp32 parameters, gradients and AdamW's two moments as fully_shard lays
-  them out (each parameter's dim 0 split in ``ceil(n / dp_shard)`` rows, tensor parallelism's
-  dims first); the collective scratch (each unit's all-gather output and reduce-scatter input:
-  on CPU kept for every unit, on an accelerator freed after use); the unsharded parameters and gradients
+  them out (each parameter's dim 0 split in ``ceil(n / (dp_shard x cp))`` rows: fully_shard shards
+  over dp_shard x cp, as the trainer does; tensor parallelism's dims first); the collective
+  scratch (each unit's all-gather output and reduce-scatter input: on CPU kept for every unit, on
+  an accelerator freed after use); the unsharded parameters and gradients
   held at the peak (the root, which stays gathered from its forward to the end of backward, and
   two blocks); and the activations of one micro-batch (an estimate: what autograd keeps per
-  block, see ``block_activation_elements``), with or without full activation checkpointing;
+  block, see ``block_activation_elements``), with or without full activation checkpointing, of
+  the ``seq_len / cp`` tokens of each sequence a context-parallel rank holds;
 - **collectives per step** (one micro-batch): fully_shard's all-gathers (forward, and backward for
   every unit that resharded), reduce-scatters, HSDP's all-reduce over the replicas, tensor
-  parallelism's per-block all-reduces; the bytes each rank sends (ring algorithms: all-gather and
+  parallelism's per-block all-reduces, context parallelism's exchange of keys and values (per
+  block: gathered around the ring in forward and again in backward, and their gradients
+  reduce-scattered back); the bytes each rank sends (ring algorithms: all-gather and
   reduce-scatter send ``(n-1)/n`` of the gathered size, all-reduce twice that) and the time they
   take at the link they run on (inside a node: ``--nvlink-gbs``; across nodes: ``--ib-gbs``);
 - **checkpoint**: the bytes each rank writes (parameters and optimizer state, replicas written
@@ -53,14 +57,21 @@ class Layout:
     gpus_per_node: int
     tp: int
     dp_shard: int
+    cp: int = 1
 
     @property
     def dp_replicate(self) -> int:
-        return self.gpus // (self.tp * self.dp_shard)
+        return self.gpus // (self.tp * self.dp_shard * self.cp)
+
+    @property
+    def fsdp_shards(self) -> int:
+        """fully_shard's group: dp_shard x cp (context-parallel ranks hold the same parameters)."""
+        return self.dp_shard * self.cp
 
     def check(self) -> None:
-        if self.gpus % (self.tp * self.dp_shard):
-            raise SystemExit(f"plan: --gpus {self.gpus} is not divisible by tp x dp_shard = {self.tp * self.dp_shard}")
+        inner = self.tp * self.dp_shard * self.cp
+        if self.gpus % inner:
+            raise SystemExit(f"plan: --gpus {self.gpus} is not divisible by tp x dp_shard x cp = {inner}")
 
 
 @dataclass(frozen=True)
@@ -104,16 +115,16 @@ def _rows(n: int, shards: int, rank: int) -> tuple[int, int]:
 def shard_layout(config: LlamaConfig, layout: Layout, rank: int = 0) -> dict[str, dict[str, int]]:
     """Per fully_shard unit: ``padded`` (the rank's flat shard, elements: the all-gather input),
     ``local`` (its real elements: what AdamW keeps state for) and ``unsharded`` (the padded
-    gathered size, ``dp_shard`` x padded: the all-gather output)."""
+    gathered size, ``dp_shard x cp`` x padded: the all-gather output)."""
     units: dict[str, dict[str, int]] = {}
     for name, shape in parameter_shapes(config):
         local_shape = _tp_local(name, shape, layout.tp)
         rest = math.prod(local_shape[1:])
-        padded_rows, real_rows = _rows(local_shape[0], layout.dp_shard, rank)
+        padded_rows, real_rows = _rows(local_shape[0], layout.fsdp_shards, rank)
         u = units.setdefault(unit_of(name), {"padded": 0, "local": 0, "unsharded": 0})
         u["padded"] += padded_rows * rest
         u["local"] += real_rows * rest
-        u["unsharded"] += padded_rows * rest * layout.dp_shard
+        u["unsharded"] += padded_rows * rest * layout.fsdp_shards
     return units
 
 
@@ -160,7 +171,9 @@ def plan(
     largest_block = max((units[u]["unsharded"] for u in blocks), default=0)
     working = units["root"]["unsharded"] + 2 * largest_block
     two_largest = sum(sorted((u["unsharded"] for u in units.values()), reverse=True)[:2])
-    tokens = seq_len * micro_batch
+    if seq_len % (2 * layout.cp):
+        raise SystemExit(f"plan: --seq-len {seq_len} is not divisible by 2 x cp = {2 * layout.cp} (load balancing)")
+    tokens = seq_len * micro_batch // layout.cp  # this rank's part of its sequences
     block_acts = block_activation_elements(config, tokens, layout.tp)
     act_bytes = param_bytes
     if activation_checkpointing:  # each block keeps its input; one block's activations while it recomputes
@@ -183,20 +196,21 @@ def plan(
     }
     memory["total"] = sum(memory.values())
 
-    shard_group = layout.dp_shard * layout.tp
+    shard_group = layout.fsdp_shards * layout.tp
     inside = shard_group <= layout.gpus_per_node
+    kv_elements = seq_len * micro_batch * 2 * config.n_kv_heads * config.head_dim // layout.tp  # K and V
     regathered = blocks[:-1] if reshard_after_forward else []  # the last block and the root keep theirs
     gathered = unsharded * param_bytes
     collectives = {
         "fsdp_all_gather": {
             "bytes": gathered + sum(units[u]["unsharded"] for u in regathered) * param_bytes,
-            "group": layout.dp_shard,
+            "group": layout.fsdp_shards,
             "link": "nvlink" if inside else "ib",
             "kind": "all_gather",
         },
         "fsdp_reduce_scatter": {
             "bytes": unsharded * reduce_bytes,
-            "group": layout.dp_shard,
+            "group": layout.fsdp_shards,
             "link": "nvlink" if inside else "ib",
             "kind": "reduce_scatter",
         },
@@ -213,6 +227,14 @@ def plan(
             "group": layout.tp,
             "link": "nvlink" if layout.tp <= layout.gpus_per_node else "ib",
             "kind": "all_reduce",
+        },
+        # per block: the whole sequence's keys and values gathered around the ring in forward and
+        # again in backward, their gradients reduce-scattered back (each sends (cp-1)/cp of it)
+        "cp_kv_exchange": {
+            "bytes": 3 * config.n_layers * kv_elements * act_bytes,
+            "group": layout.cp,
+            "link": "nvlink" if layout.cp * layout.tp <= layout.gpus_per_node else "ib",
+            "kind": "all_gather",
         },
     }
     for c in collectives.values():
@@ -248,9 +270,9 @@ def report(result: dict) -> str:
     lines = [
         f"model: {result['model']['params'] / 1e9:.2f}B parameters, {result['model']['n_layers']} blocks",
         f"layout: {lay['gpus']} GPUs ({lay['gpus_per_node']} per node) = dp_replicate {lay['dp_replicate']} x "
-        f"dp_shard {lay['dp_shard']} x tp {lay['tp']}; shard group {lay['shard_group']} ranks "
+        f"dp_shard {lay['dp_shard']} x cp {lay['cp']} x tp {lay['tp']}; shard group {lay['shard_group']} ranks "
         f"({'inside a node' if result['shard_group_inside_node'] else 'SPANS NODES'}); the largest HSDP shard "
-        f"group inside a node: dp_shard {result['node_local_shard_size']}",
+        f"group inside a node: dp_shard x cp {result['node_local_shard_size']}",
         "memory per rank:",
         *(f"  {k:<16}{_gib(v):>14}" for k, v in mem.items()),
         "collectives per step (per rank):",
@@ -275,7 +297,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", type=int, default=64)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dp-shard", type=int, default=None, help="default: gpus_per_node / tp (HSDP inside a node)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism: ranks each sequence is split over")
+    p.add_argument("--dp-shard", type=int, default=None, help="default: gpus_per_node / (tp x cp) (HSDP inside a node)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--param-bytes", type=int, default=2, help="compute dtype bytes (bf16: 2)")
@@ -289,10 +312,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    dp_shard = args.dp_shard or max(1, min(args.gpus, args.gpus_per_node) // args.tp)
+    dp_shard = args.dp_shard or max(1, min(args.gpus, args.gpus_per_node) // (args.tp * args.cp))
     result = plan(
         LLAMA_FLAVORS[args.model],
-        Layout(args.gpus, args.gpus_per_node, args.tp, dp_shard),
+        Layout(args.gpus, args.gpus_per_node, args.tp, dp_shard, args.cp),
         Links(args.nvlink_gbs, args.ib_gbs, args.storage_gbs),
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,

@@ -99,10 +99,29 @@ def test_bench_plan_prints_the_8b_layout_and_json():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["layout"] == {
-        "gpus": 64, "gpus_per_node": 8, "tp": 1, "dp_shard": 8, "dp_replicate": 8, "shard_group": 8,
+        "gpus": 64, "gpus_per_node": 8, "tp": 1, "dp_shard": 8, "cp": 1, "dp_replicate": 8, "shard_group": 8,
     }  # fmt: skip
     assert 8.0e9 < result["model"]["params"] < 8.1e9 and result["shard_group_inside_node"]
     assert result["collectives"]["fsdp_all_gather"]["link"] == "nvlink"
     assert result["collectives"]["hsdp_all_reduce"]["link"] == "ib"
     # 12 bytes per parameter (fp32 weights and AdamW's two moments), each replica written once
     assert result["checkpoint"]["total_bytes"] == 12 * result["model"]["params"]
+
+
+def test_context_parallelism_shards_parameters_over_dp_shard_x_cp_and_splits_activations():
+    """cp 2 x dp_shard 2 holds the parameters of dp_shard 4 (fully_shard shards over dp_shard x cp)
+    and half the activations and logits of one rank holding whole sequences; the keys and values
+    of every block go round the cp ring three times a step (forward, backward, their gradients)."""
+    config = LLAMA_FLAVORS["8B"]
+    whole = plan(config, Layout(gpus=8, gpus_per_node=8, tp=1, dp_shard=4), LINKS, seq_len=131072, micro_batch=1)
+    split = plan(config, Layout(gpus=8, gpus_per_node=8, tp=1, dp_shard=2, cp=2), LINKS, seq_len=131072, micro_batch=1)
+    for key in ("params", "grads", "optimizer", "unsharded_params"):
+        assert split["memory_bytes"][key] == whole["memory_bytes"][key], key
+    for key in ("activations", "logits"):
+        assert split["memory_bytes"][key] * 2 == whole["memory_bytes"][key], key
+    ring = split["collectives"]["cp_kv_exchange"]
+    kv = 131072 * 2 * config.n_kv_heads * config.head_dim * 2  # K and V of the whole sequence, bf16
+    assert ring["bytes"] == 3 * config.n_layers * kv and ring["sent_bytes"] == ring["bytes"] / 2
+    assert ring["link"] == "nvlink" and whole["collectives"]["cp_kv_exchange"]["bytes"] == 0
+    with pytest.raises(SystemExit, match="not divisible by 2 x cp"):
+        plan(config, Layout(gpus=8, gpus_per_node=8, tp=1, dp_shard=2, cp=4), LINKS, seq_len=100, micro_batch=1)
