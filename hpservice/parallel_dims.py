@@ -59,8 +59,8 @@ class ParallelDims:
                 f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} != "
                 f"world size {self.world_size}"
             )
-        if self.cp > 1 and (self.tp > 1 or self.dp_replicate > 1):
-            raise ValueError("context parallelism with tp or dp_replicate is not built yet")
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError("context parallelism with tp is not built yet")
 
     @classmethod
     def from_spec(cls, parallelism: ParallelismSpec, world_size: int) -> ParallelDims:
@@ -115,12 +115,14 @@ class ParallelDims:
     @property
     def dp_mesh(self) -> DeviceMesh | None:
         """The sub-mesh fully_shard shards over (None with tensor parallelism alone); with cp,
-        ``dp_shard x cp`` flattened into one dim."""
+        ``dp_shard x cp`` flattened into one dim (``dp_shard_cp``), after ``dp_replicate`` for HSDP."""
         names = self.fsdp_dim_names
         if not names:
             return None
-        if CP in names and len(names) > 1:
-            return self.world_mesh[names].flatten(DP_SHARD_CP)
+        sharded = tuple(n for n in names if n in (DP_SHARD, CP))
+        if CP in sharded and len(sharded) > 1:
+            self.world_mesh[sharded].flatten(DP_SHARD_CP)  # once; cached on the mesh
+            names = tuple(n for n in names if n not in sharded) + (DP_SHARD_CP,)
         return self.world_mesh[names]
 
     @property

@@ -60,6 +60,7 @@ class DeviceMesh:
         _dim_groups: Sequence[dist.ProcessGroup | None] | None = None,
         _root: DeviceMesh | None = None,
         _root_dims: tuple[int, ...] | None = None,
+        _dim_roots: tuple[tuple[int, ...], ...] | None = None,
     ):
         if not isinstance(device_type, str) or not device_type:
             raise TypeError(f"DeviceMesh(device_type): expected a str such as 'cpu' or 'cuda', got {device_type!r}")
@@ -85,7 +86,12 @@ class DeviceMesh:
         self._key = (device_type, self._shape, ranks, mesh_dim_names)
         self._hash = hash(self._key)
         self._root = _root if _root is not None else self
-        self._root_dims = _root_dims if _root_dims is not None else tuple(range(mesh_t.ndim))
+        # The root dims each of this mesh's dims covers: one, or several for a flattened dim taken
+        # with others (``world["dp_replicate", "dp_shard_cp"]``); _root_dims lists them all in order.
+        if _dim_roots is None:
+            _dim_roots = tuple((d,) for d in (_root_dims if _root_dims is not None else range(mesh_t.ndim)))
+        self._dim_roots = _dim_roots
+        self._root_dims = tuple(d for roots in _dim_roots for d in roots)
         if _root is None:
             self._flattened: dict[str, DeviceMesh] = {}
 
@@ -229,24 +235,39 @@ class DeviceMesh:
         names = (names,) if isinstance(names, str) else tuple(names)
         if len(names) == 1 and self._is_flattened_name(names[0]):
             return self._root._flattened[names[0]]
-        if self.mesh_dim_names and all(n in self.mesh_dim_names for n in names):
-            dims = [self.mesh_dim_names.index(n) for n in names]
-            if len(set(dims)) == len(dims) and dims != sorted(dims):
-                raise KeyError(
-                    f"Invalid mesh_dim_names {names} specified. Mesh dim indices should be in ascending order "
-                    f"(this mesh's dims: {self.mesh_dim_names})"
-                )
-        return self._slice(names)
+        sub = self._slice(names)
+        if list(sub._root_dims) != sorted(sub._root_dims):
+            raise KeyError(
+                f"Invalid mesh_dim_names {names} specified. Mesh dim indices should be in ascending order "
+                f"(this mesh's dims: {self.mesh_dim_names})"
+            )
+        return sub
 
     def _is_flattened_name(self, name: str) -> bool:
         return name in self._root._flattened and (not self.mesh_dim_names or name not in self.mesh_dim_names)
 
     def _slice(self, names: tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh over ``names`` in the order given (a transposed one too: fully_shard's mesh
-        of a tensor-parallel parameter puts the data-parallel dims first)."""
+        of a tensor-parallel parameter puts the data-parallel dims first). A name may be a
+        flattened dim over adjacent dims of this mesh (``world["dp_replicate", "dp_shard_cp"]``,
+        HSDP with context parallelism): its ranks in the flattened order, its flattened group."""
         if not self.mesh_dim_names:
             raise KeyError("cannot slice a DeviceMesh without mesh_dim_names")
-        dims = [self._dim(n) for n in names]
+        parts, groups = [], []  # per name: the dims of this mesh it covers; its process group
+        for n in names:
+            if n in self.mesh_dim_names or not self._is_flattened_name(n):
+                d = self._dim(n)
+                parts.append([d])
+                groups.append(self._dim_groups[d])
+                continue
+            flat = self._root._flattened[n]
+            covered = [d for d, roots in enumerate(self._dim_roots) if set(roots) <= set(flat._root_dims)]
+            roots = tuple(r for d in covered for r in self._dim_roots[d])
+            if roots != flat._root_dims or covered != list(range(covered[0], covered[0] + len(covered))):
+                raise KeyError(f"flattened dim {n!r} does not cover adjacent dims of {self!r}")
+            parts.append(covered)
+            groups.append(flat._dim_groups[0])
+        dims = [d for part in parts for d in part]
         if len(set(dims)) != len(dims):
             raise KeyError(f"repeated mesh dim names in {names}")
         if self._coordinate is None:
@@ -254,13 +275,14 @@ class DeviceMesh:
         index = tuple(slice(None) if d in dims else self._coordinate[d] for d in range(self.ndim))
         kept = sorted(dims)
         sub = self.mesh[index].permute([kept.index(d) for d in dims])
+        sub = sub.reshape([math.prod(self._shape[d] for d in part) for part in parts])
         return DeviceMesh(
             self.device_type,
             sub,
             mesh_dim_names=names,
-            _dim_groups=[self._dim_groups[d] for d in dims],
+            _dim_groups=groups,
             _root=self._root,
-            _root_dims=tuple(self._root_dims[d] for d in dims),
+            _dim_roots=tuple(tuple(r for d in part for r in self._dim_roots[d]) for part in parts),
         )
 
     def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
@@ -292,7 +314,7 @@ class DeviceMesh:
             mesh_dim_names=(name,),
             _dim_groups=[mine],
             _root=root,
-            _root_dims=tuple(dims),
+            _dim_roots=(tuple(dims),),
         )
         root._flattened[name] = flat
         return flat

@@ -204,8 +204,6 @@ class ParallelismSpec(_Section):
     def _context_parallel_composes_with_what_is_built(self):
         if self.cp > 1 and self.tp > 1:
             raise ValueError("parallelism.cp > 1 with tp > 1 is not built yet: use one of them")
-        if self.cp > 1 and self.dp_replicate > 1:
-            raise ValueError("parallelism.cp > 1 with dp_replicate > 1 (HSDP) is not built yet: use dp_shard")
         return self
 
     def resolve(self, world_size: int) -> tuple[int, int]:
@@ -468,7 +466,7 @@ class JobSpec(_Section):
             group = p.dp_shard * p.cp * p.tp
             replicate, rem = divmod(workers, group)
             cp = f" x cp {p.cp}" if p.cp > 1 else ""
-            if rem or replicate < 1 or (p.cp > 1 and replicate > 1):  # HSDP with cp is not built yet
+            if rem or replicate < 1:
                 raise SpecError(f"{workers} workers cannot hold shard groups of dp_shard {p.dp_shard}{cp} x tp {p.tp}")
             parallelism = p.model_copy(update={"dp_replicate": replicate})
         replicate, shard = parallelism.resolve(workers)

@@ -315,6 +315,30 @@ def test_flatten_and_sub_meshes_give_torchs_ranks_and_refuse_transposed_dims(ran
     ranks(4).run(_check_flatten_and_slices_as_torch)
 
 
+def _check_flattened_dim_sliced_with_others_as_torch():
+    """HSDP with context parallelism: ``world["dp_replicate", "dp_shard_cp"]`` after flattening
+    ``dp_shard x cp`` has torch's ranks, local ranks and groups."""
+    from torch.distributed.device_mesh import init_device_mesh as t_mesh
+
+    names = ("dp_replicate", "dp_shard", "cp")
+    meshes = []
+    for make in (init_device_mesh, t_mesh):
+        world = make("cpu", (2, 2, 2), mesh_dim_names=names)
+        world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        meshes.append(world["dp_replicate", "dp_shard_cp"])
+    ours, theirs = meshes
+    assert ours.mesh.tolist() == theirs.mesh.tolist() and ours.mesh_dim_names == theirs.mesh_dim_names
+    for dim in ("dp_replicate", "dp_shard_cp"):
+        assert ours.get_local_rank(dim) == theirs.get_local_rank(dim), dim
+        assert dist.get_process_group_ranks(ours.get_group(dim)) == dist.get_process_group_ranks(theirs.get_group(dim))
+    assert ours["dp_shard_cp"].mesh.tolist() == theirs["dp_shard_cp"].mesh.tolist()
+    return True
+
+
+def test_a_flattened_dim_sliced_with_another_gives_torchs_mesh(ranks):
+    ranks(8).run(_check_flattened_dim_sliced_with_others_as_torch)
+
+
 def _check_int_reshard_not_built():
     with pytest.raises(NotImplementedError, match="not built yet"):
         fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (4,)), reshard_after_forward=2)
