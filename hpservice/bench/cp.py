@@ -61,7 +61,7 @@ def _measure(flavor: str, seq_len: int, cp: int, steps: int, out: str, rotate: s
             held += storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer._context_parallel():
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer._attention(x):
         loss = trainer._micro_batch_loss(x, y)
     del loss
     trainer.close()

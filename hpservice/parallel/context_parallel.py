@@ -26,9 +26,12 @@ never comes). ``rotate="allgather"`` gathers every rank's keys/values at once (o
 more memory: all keys and values of the sequence on every rank) and reduce-scatters their
 gradients.
 
-Packed sequences: ``document_ids`` ([B, S] per token, sharded like the tokens) restrict attention
-to tokens of the same document. Masks are built per chunk pair (``chunk x chunk``), never as a
-``[seq, seq]`` tensor.
+Packed sequences: ``document_ids`` ([B, S] per token, sharded like the tokens;
+``document_ids_from_eos`` derives them from the end-of-text tokens) restrict attention to tokens
+of the same document. Masks are built per chunk pair (``chunk x chunk``), never as a
+``[seq, seq]`` tensor, and a chunk pair with no document in common is skipped. Without context
+parallelism, ``document_masking(document_ids)`` runs the same blockwise attention on one rank
+(chunks of ``LOCAL_BLOCK`` tokens): what the trainer uses for ``data.document_mask``.
 
 Memory: the attention scores a rank keeps for backward are ``seq_len / cp x seq_len`` per head
 (``1/cp`` of one device's), and every other activation is ``1/cp`` as well.
@@ -52,6 +55,8 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "context_parallel",
     "context_parallel_unshard",
+    "document_ids_from_eos",
+    "document_masking",
     "positions",
     "ring_attention",
     "scaled_dot_product_attention",
@@ -154,7 +159,8 @@ def _merge(out, lse, part_out, part_lse):
 
 def _pair_mask(q_chunk, k_chunk, size, causal, q_docs, k_docs, device):
     """The mask of one chunk pair ([B or 1, 1, size, size] bools; None: attend to all), or
-    False when the key chunk is wholly after the query chunk (causal: nothing to compute)."""
+    False when there is nothing to compute: the key chunk wholly after the query chunk (causal),
+    or no document in common."""
     mask = None
     if causal:
         if k_chunk > q_chunk:
@@ -164,6 +170,8 @@ def _pair_mask(q_chunk, k_chunk, size, causal, q_docs, k_docs, device):
     if q_docs is not None:
         same = (q_docs[:, :, None] == k_docs[:, None, :])[:, None]  # [B, 1, size, size]
         mask = same if mask is None else mask & same
+        if not bool(mask.any()):
+            return False
     return mask
 
 
@@ -173,8 +181,13 @@ class _Ring:
 
     def __init__(self, q, group, is_causal, document_ids, load_balance):
         self.group, self.is_causal, self.load_balance = group, is_causal, load_balance
-        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.mine = chunks_of(self.cp, self.rank, load_balance)
+        self.local = group is LOCAL
+        if self.local:  # one rank, the whole sequence in blocks of LOCAL_BLOCK tokens
+            self.cp, self.rank = 1, 0
+            self.mine = tuple(range(_local_chunks(q.shape[-2])))
+        else:
+            self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+            self.mine = chunks_of(self.cp, self.rank, load_balance)
         n = len(self.mine)
         if q.shape[-2] % n:
             raise ValueError(f"the local sequence ({q.shape[-2]}) does not split into {n} chunks")
@@ -189,7 +202,7 @@ class _Ring:
         """(query chunk i, key chunk j, mask) of every pair with something to attend to."""
         k_docs = docs_blk.split(self.size, dim=-1) if docs_blk is not None else (None,) * self.n
         for i, qc in enumerate(self.mine):
-            for j, kc in enumerate(chunks_of(self.cp, src, self.load_balance)):
+            for j, kc in enumerate(self.mine if self.local else chunks_of(self.cp, src, self.load_balance)):
                 mask = _pair_mask(qc, kc, self.size, self.is_causal, self.q_docs[i], k_docs[j], self.device)
                 if mask is not False:
                     yield i, j, mask
@@ -305,28 +318,61 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, document_ids, group, is_causal, scale, load_balance, rotate)
 
 
+# ---- packed documents on one rank ---------------------------------------------------------------
+LOCAL = object()  # the "group" of blockwise attention on one rank: no communication
+LOCAL_BLOCK = 256  # tokens per chunk there: masks and scores are [LOCAL_BLOCK, LOCAL_BLOCK] per pair
+
+
+def _local_chunks(seq_len: int) -> int:
+    """How many equal chunks of about LOCAL_BLOCK tokens a sequence is cut into (a divisor)."""
+    n = max(1, -(-seq_len // LOCAL_BLOCK))
+    while seq_len % n:
+        n += 1
+    return n
+
+
+def document_ids_from_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per token (``[B, S]``), which document of its row it belongs to: the number of end-of-text
+    tokens before it, so the EOS closing a document is that document's last token."""
+    eos = tokens == eos_id
+    return torch.cumsum(eos, dim=-1) - eos.long()
+
+
 # ---- torch's context manager -------------------------------------------------------------------
 # The ring attention in force (set by context_parallel): a process-wide stack, not a thread-local
 # one, because activation checkpointing recomputes attention during backward, where torch's
 # function modes of the forward are not in force. Models call ``scaled_dot_product_attention``
 # below, which reads it; a model calling F.scaled_dot_product_attention gets it through the mode.
-_ACTIVE: list[dict] = []
+_ACTIVE: list[ActiveAttention] = []
 
 
 def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None):
     """``F.scaled_dot_product_attention`` (no mask, no dropout), or ring attention over the cp
-    ranks inside ``context_parallel``: what the built-in models call."""
+    ranks inside ``context_parallel`` (blockwise document attention inside ``document_masking``):
+    what the built-in models call."""
     if not _ACTIVE:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, **_ACTIVE[-1])
+    active = _ACTIVE[-1]
+    active.calls += 1
+    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, **active.attention)
+
+
+class ActiveAttention:
+    """What ``context_parallel`` / ``document_masking`` put in force (yielded by both): the ring
+    attention arguments, and ``calls``, how many attention calls ran inside, so a caller can
+    check that a model's attention went through it (a model computing its own softmax would
+    attend across shards or documents without a word)."""
+
+    def __init__(self, **attention):
+        self.attention, self.calls = attention, 0
 
 
 class _RingAttentionMode(TorchFunctionMode):
     """``F.scaled_dot_product_attention`` -> ``ring_attention`` over the cp group."""
 
-    def __init__(self, group, load_balance: bool, rotate: str, document_ids):
+    def __init__(self, active: ActiveAttention):
         super().__init__()
-        self.group, self.load_balance, self.rotate, self.document_ids = group, load_balance, rotate, document_ids
+        self.active = active
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -343,11 +389,23 @@ class _RingAttentionMode(TorchFunctionMode):
             if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
                 rep = q.shape[-3] // k.shape[-3]
                 k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-            return ring_attention(
-                q, k, v, self.group, is_causal=is_causal, document_ids=self.document_ids,
-                scale=kwargs.get("scale"), load_balance=self.load_balance, rotate=self.rotate,
-            )  # fmt: skip
+            self.active.calls += 1
+            return ring_attention(q, k, v, is_causal=is_causal, scale=kwargs.get("scale"), **self.active.attention)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def document_masking(document_ids: torch.Tensor):
+    """Inside: the built-in models' attention (``scaled_dot_product_attention`` here, and
+    ``F.scaled_dot_product_attention`` through the mode) attends only within a document, on one
+    rank, blockwise (no ``[seq, seq]`` mask); ``document_ids`` is ``[B, S]``."""
+    active = ActiveAttention(group=LOCAL, load_balance=False, rotate="ring", document_ids=document_ids)
+    _ACTIVE.append(active)
+    try:
+        with _RingAttentionMode(active):
+            yield active
+    finally:
+        _ACTIVE.pop()
 
 
 @contextlib.contextmanager
@@ -379,10 +437,11 @@ def context_parallel(
         with torch.no_grad():
             buf.resize_(shard.shape).copy_(shard)
         originals.append((buf, whole))
-    _ACTIVE.append({"group": group, "load_balance": load_balance, "rotate": rotate, "document_ids": document_ids})
+    active = ActiveAttention(group=group, load_balance=load_balance, rotate=rotate, document_ids=document_ids)
+    _ACTIVE.append(active)
     try:
-        with _RingAttentionMode(group, load_balance, rotate, document_ids):
-            yield
+        with _RingAttentionMode(active):
+            yield active
     finally:
         _ACTIVE.pop()
         for buf, whole in originals:

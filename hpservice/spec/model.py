@@ -104,6 +104,17 @@ class DataSpec(_Section):
     seq_len: int = Field(64, gt=1, description="tokens per sample")
     global_batch: int = Field(8, gt=0, description="samples per optimizer step, over all data-parallel ranks")
     seed: int = Field(0, description="data order seed: the batch of a step depends only on (seed, step)")
+    document_mask: bool = Field(
+        False,
+        description="packed documents: each token attends only to earlier tokens of its own document, a document "
+        "ending at the end-of-text token (data.eos_id); blockwise attention, never a [seq, seq] mask",
+    )
+    eos_id: int | None = Field(
+        None,
+        ge=0,
+        description="the end-of-text token id that ends a document (document_mask); default: the one hpservice "
+        "prepare-data recorded beside the token file",
+    )
 
     @model_validator(mode="after")
     def _path_for_files(self):
@@ -111,6 +122,10 @@ class DataSpec(_Section):
             raise ValueError(f"data.path is required for kind {self.kind!r}")
         if self.tokenizer is not None and self.kind != "text":
             raise ValueError(f"data.tokenizer applies to kind 'text' (a 'tokens' file is already tokenized), not {self.kind!r}")
+        unrecorded = self.kind == "synthetic" or (self.kind == "text" and self.tokenizer is None)  # no prepare-data file
+        if self.document_mask and self.eos_id is None and unrecorded:
+            what = "synthetic tokens" if self.kind == "synthetic" else "byte-level text"
+            raise ValueError(f"data.document_mask with {what} needs data.eos_id (the token that ends a document)")
         return self
 
 
@@ -361,6 +376,10 @@ class EvalSpec(_Section):
     def _data_when_enabled(self):
         if self.interval and self.data is None:
             raise ValueError("eval.data is required when eval.interval > 0")
+        if self.data is not None and (self.data.document_mask or self.data.eos_id is not None):
+            raise ValueError(
+                "eval.data.document_mask / eval.data.eos_id: evaluation attends as training does; set data.document_mask"
+            )
         return self
 
 

@@ -37,7 +37,7 @@ from hpservice.launch import free_port
 from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
 from hpservice.models.hf import load_hf_weights
 from hpservice.parallel import ParallelDims, vocab_parallel_cross_entropy
-from hpservice.parallel.context_parallel import context_parallel
+from hpservice.parallel.context_parallel import context_parallel, document_ids_from_eos, document_masking
 from hpservice.parallel.context_parallel import positions as cp_positions
 from hpservice.spec import JobSpec, new_run_id
 
@@ -365,6 +365,7 @@ class Trainer:
         if spec.eval.interval:
             self.eval_data = self._source(spec.eval.data, vocab, run_dir)
         self.data = self._source(spec.data, vocab, run_dir)
+        self.eos_id = self._document_eos(spec.data, run_dir) if spec.data.document_mask else None
         self.output_dir = run_dir
         self.step = 0
 
@@ -432,6 +433,22 @@ class Trainer:
         if d.kind == "tokens":
             _check_token_metadata(d.path, vocab)
         return build_source(d.kind, path=d.path, vocab_size=vocab if d.kind != "text" else None, seed=d.seed)
+
+    def _document_eos(self, d, run_dir: Path) -> int:
+        """The token that ends a document (``data.document_mask``): ``data.eos_id``, else the one
+        prepare-data recorded beside the token file (the run's own token cache for text)."""
+        if d.eos_id is not None:
+            return d.eos_id
+        from hpservice.data import read_metadata
+
+        path = self.data.path if hasattr(self.data, "path") else None
+        meta = read_metadata(str(path)) if path is not None else None
+        if not meta or meta.get("eos_id") is None:
+            raise TrainingError(
+                f"data.document_mask: {path} records no end-of-text token (not written by hpservice prepare-data?); "
+                "set data.eos_id"
+            )
+        return int(meta["eos_id"])
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _resume(self, resume_from: str) -> None:
@@ -538,7 +555,7 @@ class Trainer:
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
             if self.fsdp:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            with self._context_parallel():  # backward too: activation checkpointing recomputes there
+            with self._attention(x):  # backward too: activation checkpointing recomputes there
                 loss = self._micro_batch_loss(x, y) / accum
                 loss.backward()
             loss_sum += loss.detach()
@@ -584,11 +601,30 @@ class Trainer:
         pos = cp_positions(x.shape[1], self.parallel_dims.cp, self.parallel_dims.cp_rank, device=x.device)
         return self._loss(self.model(x.index_select(1, pos), positions=pos), y.index_select(1, pos))
 
-    def _context_parallel(self):
-        """Inside: scaled_dot_product_attention runs as ring attention over the cp ranks."""
-        if self.cp_mesh is None:
-            return contextlib.nullcontext()
-        return context_parallel(self.cp_mesh, rotate=self.spec.parallelism.cp_rotate)
+    @contextlib.contextmanager
+    def _attention(self, x: torch.Tensor):
+        """Inside: the model's attention as the job asks, for the micro-batch ``x [B, S]``: ring
+        attention over the cp ranks, only within documents (``data.document_mask``: document ids
+        from the end-of-text tokens of ``x``), both, or plain scaled_dot_product_attention."""
+        docs = document_ids_from_eos(x, self.eos_id) if self.eos_id is not None else None
+        if self.cp_mesh is not None:
+            if docs is not None:
+                pos = cp_positions(x.shape[1], self.parallel_dims.cp, self.parallel_dims.cp_rank, device=x.device)
+                docs = docs.index_select(1, pos)
+            context = context_parallel(self.cp_mesh, rotate=self.spec.parallelism.cp_rotate, document_ids=docs)
+        elif docs is not None:
+            context = document_masking(docs)
+        else:
+            yield
+            return
+        with context as active:
+            yield
+        if active.calls == 0:  # a model with its own attention would ignore both, without a word
+            field = "parallelism.cp" if self.cp_mesh is not None else "data.document_mask"
+            raise TrainingError(
+                f"{field}: the model's attention never called scaled_dot_product_attention "
+                "(torch.nn.functional's or hpservice.parallel.context_parallel's), so it cannot be split or masked"
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -601,7 +637,7 @@ class Trainer:
             for k in range(e.steps):
                 x, y = self.eval_data.batch(k, self.dp_rank, self.dp_size, e.data.global_batch, e.data.seq_len)
                 x, y = x.to(self.device), y.to(self.device)
-                with self._context_parallel():
+                with self._attention(x):
                     total += self._micro_batch_loss(x, y)
         finally:
             self.model.train()

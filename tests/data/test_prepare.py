@@ -114,3 +114,31 @@ def test_a_job_tokenizes_its_text_with_data_tokenizer(ranks, tmp_path):
     broken = tiny_llama_job(tmp_path / "run3", data={**data, "tokenizer": str(tmp_path / "bad.json")})
     with pytest.raises(Exception, match=r"(?s)rank 0 raised.*cannot load a tokenizers tokenizer\.json.*rank 1 raised"):
         ranks(2).run(train, broken)  # both ranks stop with rank 0's reason (none waits for it)
+
+
+def _eos_of_trainer(spec):
+    from hpservice.train import Trainer
+
+    return Trainer(spec, log_to_stdout=False).eos_id
+
+
+def test_document_mask_takes_the_end_of_text_token_prepare_data_recorded(ranks, tmp_path):
+    """data.document_mask on a prepare-data file: its recorded EOS id ends documents; a bare .bin
+    file records none, and the job says to set data.eos_id."""
+    from tests._jobs import tiny_llama_job
+
+    inputs = _corpus(tmp_path)
+    tok, out = tmp_path / "tokenizer.json", tmp_path / "train.bin"
+    assert main(["prepare-data", *inputs, "--tokenizer", str(tok), "--out", str(out),
+                 "--train-tokenizer", "--vocab-size", "300"]) == 0  # fmt: skip
+    data = {"kind": "tokens", "path": str(out), "seq_len": 16, "document_mask": True}
+    model = {"overrides": {"vocab_size": 320}}
+    spec = tiny_llama_job(tmp_path / "run", data=data, model=model)
+    assert ranks(1).run(_eos_of_trainer, spec)[0] == read_metadata(out)["eos_id"]
+    bare = tmp_path / "bare.bin"
+    bare.write_bytes(out.read_bytes())
+    spec = tiny_llama_job(tmp_path / "run2", data={**data, "path": str(bare)}, model=model)
+    with pytest.raises(Exception, match=r"data\.document_mask: .*bare\.bin records no end-of-text token.*set data\.eos_id"):
+        ranks(1).run(_eos_of_trainer, spec)
+    spec = tiny_llama_job(tmp_path / "run3", data={**data, "path": str(bare), "eos_id": 7}, model=model)
+    assert ranks(1).run(_eos_of_trainer, spec)[0] == 7

@@ -114,6 +114,109 @@ def test_torchs_context_parallel_does_not_run_on_cpu_so_there_is_nothing_to_comp
         )
 
 
+# ---- packed documents on one rank ----------------------------------------------------------------
+def test_document_ids_come_from_the_end_of_text_tokens():
+    from hpservice.parallel.context_parallel import document_ids_from_eos
+
+    tokens = torch.tensor([[5, 3, 7, 8, 3, 3, 1], [3, 1, 1, 1, 1, 1, 3]])
+    assert document_ids_from_eos(tokens, 3).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("block", [16, 5, 1000])  # many blocks; a block that does not divide; one block
+def test_document_attention_on_one_rank_equals_sdpa_with_the_document_mask(monkeypatch, block):
+    """document_masking's blockwise attention (what data.document_mask runs without cp) against
+    torch's SDPA given the explicit causal document mask: values and q/k/v gradients."""
+    from hpservice.parallel import context_parallel as cp_module
+
+    monkeypatch.setattr(cp_module, "LOCAL_BLOCK", block)
+    q, k, v, weight, document_ids = _inputs(S=48, docs=True)
+    expected = _reference(q, k, v, weight, document_ids, True)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    with cp_module.document_masking(document_ids) as active:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # as a user's model calls it
+    (out * weight).sum().backward()
+    assert active.calls == 1
+    for got, want in zip((out.detach(), q.grad, k.grad, v.grad), expected, strict=True):
+        assert (got - want).abs().max().item() < 1e-5
+
+
+def _document_masked_losses(spec):
+    from tests._jobs import train
+
+    return [r["loss"] for r in train(spec)]
+
+
+def test_packed_documents_train_alike_on_one_process_and_with_cp_and_differ_from_unmasked(ranks, tmp_path):
+    """data.document_mask on synthetic tokens where 3 ends a document (about one token in eight):
+    cp 2 (document ids sharded with the tokens, ring attention) trains like one process (blockwise
+    attention on one rank), and both differ from attending across documents."""
+    from tests._jobs import tiny_llama_job
+
+    data = {"seq_len": 64, "vocab_size": 8, "document_mask": True, "eos_id": 3}
+    sections = {"training": {"steps": 4}}
+    one = ranks(1).run(_document_masked_losses, tiny_llama_job(tmp_path / "one", **sections, data=data))[0]
+    cp2 = ranks(2).run(
+        _document_masked_losses, tiny_llama_job(tmp_path / "cp", **sections, data=data, parallelism={"cp": 2})
+    )[0]
+    unmasked = {**data, "document_mask": False}
+    across = ranks(1).run(_document_masked_losses, tiny_llama_job(tmp_path / "across", **sections, data=unmasked))[0]
+    assert cp2 == pytest.approx(one, abs=1e-5), (cp2, one)
+    assert abs(across[-1] - one[-1]) > 1e-3, (across, one)
+
+
+class _OwnAttention(torch.nn.Module):
+    """A user's model whose attention is its own softmax: document_mask cannot reach it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 16)])
+
+    def init_weights(self):
+        torch.nn.init.normal_(self.emb.weight)
+        self.layers[0].reset_parameters()
+
+    def forward(self, x):
+        h = self.emb(x)
+        weights = torch.softmax(h @ h.transpose(-2, -1), dim=-1)  # attends across documents
+        return self.layers[0](weights @ h)
+
+
+def own_attention_model():
+    return _OwnAttention()
+
+
+def _first_step_error(spec):
+    from hpservice.train import Trainer, TrainingError
+
+    with pytest.raises(TrainingError) as e:
+        Trainer(spec, log_to_stdout=False).train()
+    return str(e.value)
+
+
+def test_document_mask_refuses_a_model_whose_attention_it_cannot_reach(ranks, tmp_path):
+    from tests._jobs import tiny_llama_job
+
+    spec = tiny_llama_job(
+        tmp_path,
+        model={"name": "tests.parallel.test_context_parallel:own_attention_model", "flavor": None},
+        data={"vocab_size": 16, "document_mask": True, "eos_id": 3},
+    )
+    message = ranks(1).run(_first_step_error, spec)[0]
+    assert message.startswith("data.document_mask: the model's attention never called scaled_dot_product_attention")
+
+
+def test_document_mask_needs_an_end_of_text_token_it_can_know():
+    from hpservice.spec import SpecError, parse_job
+
+    with pytest.raises(SpecError, match=r"data\.document_mask with synthetic tokens needs data\.eos_id"):
+        parse_job({"name": "x", "data": {"document_mask": True}})
+    with pytest.raises(SpecError, match=r"data\.document_mask with byte-level text needs data\.eos_id"):
+        parse_job({"name": "x", "data": {"kind": "text", "path": "a.txt", "document_mask": True}})
+    with pytest.raises(SpecError, match=r"evaluation attends as training does; set data\.document_mask"):
+        parse_job({"name": "x", "eval": {"interval": 5, "data": {"document_mask": True, "eos_id": 3}}})
+
+
 # ---- training: a job with context parallelism trains like one process ---------------------------
 def _train(spec):
     """Losses and grad norms of every step, and the final weights (whole tensors)."""
