@@ -59,8 +59,6 @@ class ParallelDims:
                 f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} != "
                 f"world size {self.world_size}"
             )
-        if self.cp > 1 and self.tp > 1:
-            raise ValueError("context parallelism with tp is not built yet")
 
     @classmethod
     def from_spec(cls, parallelism: ParallelismSpec, world_size: int) -> ParallelDims:

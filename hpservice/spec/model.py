@@ -217,8 +217,6 @@ class ParallelismSpec(_Section):
 
     @model_validator(mode="after")
     def _context_parallel_composes_with_what_is_built(self):
-        if self.cp > 1 and self.tp > 1:
-            raise ValueError("parallelism.cp > 1 with tp > 1 is not built yet: use one of them")
         return self
 
     def resolve(self, world_size: int) -> tuple[int, int]:

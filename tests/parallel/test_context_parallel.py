@@ -239,8 +239,10 @@ def _train(spec):
         (4, {"cp": 4, "cp_rotate": "allgather"}, {}),
         (4, {"dp_shard": 2, "cp": 2}, {"grad_accum": 2, "activation_checkpointing": "full"}),
         (4, {"dp_replicate": 2, "dp_shard": 1, "cp": 2}, {}),
+        (4, {"cp": 2, "tp": 2}, {}),
+        (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, {}),
     ],
-    ids=["cp2", "cp4-allgather", "fsdp2xcp2-accum-ac", "hsdp2xcp2"],
+    ids=["cp2", "cp4-allgather", "fsdp2xcp2-accum-ac", "hsdp2xcp2", "cp2xtp2", "cp2xtp2-sp"],
 )
 def test_training_with_context_parallelism_equals_one_process(ranks, tmp_path, world, parallelism, training):
     from tests._jobs import tiny_llama_job
@@ -291,7 +293,7 @@ def test_parallel_dims_with_cp():
     assert ParallelDims.from_spec(ParallelismSpec(cp=4), 4).mesh_dims == [("cp", 4)]
     with pytest.raises(SpecError, match="not divisible by dp_replicate x cp x tp = 4"):
         ParallelDims.from_spec(ParallelismSpec(cp=4), 6)
-    with pytest.raises(ValueError, match="with tp > 1 is not built yet"):
-        ParallelismSpec(cp=2, tp=2)
+    both = ParallelDims.from_spec(ParallelismSpec(cp=2, tp=2), 8)
+    assert both.mesh_dims == [("dp_shard", 2), ("cp", 2), ("tp", 2)] and both.fsdp_dim_names == ("dp_shard", "cp")
     hsdp = ParallelDims.from_spec(ParallelismSpec(dp_replicate=2, dp_shard=2, cp=2), 8)
     assert hsdp.mesh_dims == [("dp_replicate", 2), ("dp_shard", 2), ("cp", 2)] and hsdp.dp_size == 4
