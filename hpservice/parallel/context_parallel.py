@@ -352,6 +352,13 @@ def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: flo
     what the built-in models call."""
     if not _ACTIVE:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    return _ring_attention_eagerly(q, k, v, is_causal, scale)
+
+
+@torch.compiler.disable
+def _ring_attention_eagerly(q, k, v, is_causal, scale):
+    """Outside what torch.compile traces (its collectives and loops run as Python): a compiled
+    block runs up to attention, this, then the rest."""
     active = _ACTIVE[-1]
     active.calls += 1
     return ring_attention(q, k, v, is_causal=is_causal, scale=scale, **active.attention)

@@ -537,11 +537,6 @@ class JobSpec(_Section):
                 "training.compile with parallelism.tp > 1 is not supported yet: hpservice's DTensor is not a traceable "
                 "tensor subclass (no __tensor_flatten__); compile composes with fully_shard (FSDP, HSDP) only"
             )
-        if self.training.compile and self.parallelism.cp > 1:
-            raise ValueError(
-                "training.compile with parallelism.cp > 1 is not built yet: ring attention runs in Python, "
-                "outside what compile traces"
-            )
         cp = self.parallelism.cp
         for where, data in (("data", self.data), ("eval.data", self.eval.data)):
             if cp > 1 and data is not None and data.seq_len % (2 * cp):

@@ -39,11 +39,12 @@ def isolate_compile_cache(run_dir: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run_dir) / "compile-cache")
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """``torch.compile`` each transformer block's forward, as torchtitan does: the blocks share
     one code object, so they share one compiled graph. Only ``forward`` is replaced, after
     activation checkpointing wrapped it, so the checkpoint is traced into the graph (op-level
     selective checkpointing included) while fully_shard's module hooks, applied next, stay
-    outside the compiled region and keep gathering and freeing the parameters."""
+    outside the compiled region and keep gathering and freeing the parameters. ``fullgraph``
+    off for context parallelism: ring attention runs eagerly between a block's compiled parts."""
     for block in transformer_blocks(model, "training.compile"):
-        block.forward = torch.compile(block.forward, fullgraph=True)
+        block.forward = torch.compile(block.forward, fullgraph=fullgraph)

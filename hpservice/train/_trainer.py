@@ -318,7 +318,7 @@ class Trainer:
         try:  # after tp, before fully_shard (torchtitan's order)
             apply_activation_checkpointing(self.model, spec)
             if spec.training.compile:
-                apply_compile(self.model)
+                apply_compile(self.model, fullgraph=self.cp_mesh is None)
         except ValueError as e:
             raise TrainingError(str(e)) from e
         self.fsdp = self.dp_mesh is not None

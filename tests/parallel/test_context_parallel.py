@@ -241,8 +241,9 @@ def _train(spec):
         (4, {"dp_replicate": 2, "dp_shard": 1, "cp": 2}, {}),
         (4, {"cp": 2, "tp": 2}, {}),
         (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, {}),
+        (2, {"cp": 2}, {"compile": True, "activation_checkpointing": "full"}),
     ],
-    ids=["cp2", "cp4-allgather", "fsdp2xcp2-accum-ac", "hsdp2xcp2", "cp2xtp2", "cp2xtp2-sp"],
+    ids=["cp2", "cp4-allgather", "fsdp2xcp2-accum-ac", "hsdp2xcp2", "cp2xtp2", "cp2xtp2-sp", "cp2-compile-ac"],
 )
 def test_training_with_context_parallelism_equals_one_process(ranks, tmp_path, world, parallelism, training):
     from tests._jobs import tiny_llama_job
