@@ -1,22 +1,35 @@
-"""Pipeline parallelism (torch's ``torch.distributed.pipelining`` names), built in steps.
+"""Pipeline parallelism with torch's names (``torch.distributed.pipelining``), built in steps.
 
 Built: the schedules as pure, inspectable per-rank action lists (``compute_order``: GPipe, 1F1B,
-interleaved 1F1B, zero-bubble ZB-H1), their transfers (``with_communication``) and a simulator
-that proves each runs (every micro-batch forwarded and backwarded once per stage, every send
-received, no deadlock) and times its bubble (``simulate``). Not built yet: ``PipelineStage`` and
-the schedule classes that run these actions on real ranks, model splitting, and ``parallelism.pp``
-in the job spec (refused there until then).
+interleaved 1F1B, zero-bubble), their transfers (``with_communication``) and a simulator that
+proves each runs and times its bubble (``simulate``); and the runtime that executes them on real
+ranks, ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
+``ScheduleInterleavedZeroBubble`` and torch's ``step(*args, target=, losses=)``. Not built yet:
+splitting the built-in models into stages and ``parallelism.pp`` in the job spec
+(``docs/pipeline.md``).
 """
 
 from ._actions import Action, ComputationType
 from ._orders import SCHEDULES, compute_order, stage_rank
+from ._runtime import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from ._simulate import ScheduleError, Timeline, simulate, with_communication
 
 __all__ = [
     "SCHEDULES",
     "Action",
     "ComputationType",
+    "PipelineStage",
+    "Schedule1F1B",
     "ScheduleError",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
     "Timeline",
     "compute_order",
     "simulate",
