@@ -127,10 +127,14 @@ def test_reduction_and_broadcast_rules(ranks, world):
 def _check_errors_and_no_mutation():
     mesh = init_device_mesh("cpu", (2,))
     a = distribute_tensor(_randn(4, 5, seed=1), mesh, [Shard(0)])
-    with pytest.raises(NotImplementedError, match=r"aten.kthvalue.default on DTensor placements \[\(S\(0\)\)\]"):
-        torch.kthvalue(a, 2, 0)
-    with pytest.raises(NotImplementedError, match=r"aten.roll.default on DTensor placements \[\(S\(0\)\)\]"):
-        torch.roll(a, 1, 0)
+    # ops without a rule name themselves (the whole list: docs/dtensor-ops.md)
+    with pytest.raises(NotImplementedError, match=r"aten.cumprod.default on DTensor placements \[\(S\(0\)\)\]"):
+        torch.cumprod(a, 0)
+    with pytest.raises(NotImplementedError, match=r"aten.median.dim on DTensor placements \[\(S\(0\)\)\]"):
+        torch.median(a, 0)
+    # kthvalue and roll have rules now: the sharded dim is gathered, the values are the plain op's
+    torch.testing.assert_close(torch.kthvalue(a, 2, 0).values.full_tensor(), torch.kthvalue(a.full_tensor(), 2, 0).values)
+    torch.testing.assert_close(torch.roll(a, 1, 0).full_tensor(), torch.roll(a.full_tensor(), 1, 0))
     # Same shape, different shard placements: b is redistributed to a's layout (a new DTensor).
     b = distribute_tensor(_randn(4, 5, seed=2), mesh, [Shard(1)])
     ab = a + b
