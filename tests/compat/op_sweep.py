@@ -178,11 +178,12 @@ def _refusal(e: Exception) -> bool:
     return isinstance(e, NotImplementedError) or any(r in str(e) for r in REFUSALS)
 
 
-def check_sample(op, sample, engine: Engine, placement: str, backward: bool) -> tuple[str, str]:
-    """(outcome, detail) of one sample on one engine and placement."""
+def plain_result(op, sample, backward: bool):
+    """The truth for one sample: (outputs, input gradients) of the plain op, or a str saying why
+    the sample is skipped (sparse operands, an op that raises, a result that depends on the seed)."""
     tensors = [x for x in pytree.tree_leaves((sample.input, sample.args, sample.kwargs)) if isinstance(x, torch.Tensor)]
     if any(x.layout != torch.strided for x in tensors):
-        return "skip", "sparse operands: DTensors are strided"
+        return "sparse operands: DTensors are strided"
     plain = lambda x, g: x.detach().clone().requires_grad_(g)  # noqa: E731
     try:
         torch.manual_seed(0)
@@ -192,10 +193,19 @@ def check_sample(op, sample, engine: Engine, placement: str, backward: bool) -> 
             torch.manual_seed(seed)
             reruns.append(_run(op, sample, plain, False)[0])
     except Exception:
-        return "skip", "the plain op raises on this sample"
+        return "the plain op raises on this sample"
     for again in reruns:
         if len(again) != len(want_out) or not all(_same(w, a) for w, a in zip(want_out, again, strict=True)):
-            return "skip", "random: the plain op's result depends on the seed"
+            return "random: the plain op's result depends on the seed"
+    return want_out, want_grads
+
+
+def check_sample(op, sample, engine: Engine, placement: str, backward: bool, want=None) -> tuple[str, str]:
+    """(outcome, detail) of one sample on one engine and placement; ``want``: its ``plain_result``."""
+    want = plain_result(op, sample, backward) if want is None else want
+    if isinstance(want, str):
+        return "skip", want
+    want_out, want_grads = want
     torch.manual_seed(0)
     try:
         with warnings.catch_warnings():
@@ -227,12 +237,13 @@ def sweep(engine_name: str, names: set[str] | None = None, samples_per_op: int =
             samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:samples_per_op]
         except Exception:
             continue
+        wants = [plain_result(op, sample, backward) for sample in samples]  # once for both placements
         per_placement = {}
         for placement in PLACEMENTS:
             worst = ("agree", "")
             ran = False
-            for sample in samples:
-                outcome, detail = check_sample(op, sample, engine, placement, backward)
+            for sample, want in zip(samples, wants, strict=True):
+                outcome, detail = check_sample(op, sample, engine, placement, backward, want)
                 if outcome == "skip":
                     continue
                 ran = True
