@@ -365,7 +365,7 @@ class Trainer:
         if spec.eval.interval:
             self.eval_data = self._source(spec.eval.data, vocab, run_dir)
         self.data = self._source(spec.data, vocab, run_dir)
-        self.eos_id = self._document_eos(spec.data, run_dir) if spec.data.document_mask else None
+        self.eos_id = self._document_eos(spec.data) if spec.data.document_mask else None
         self.output_dir = run_dir
         self.step = 0
 
@@ -434,7 +434,7 @@ class Trainer:
             _check_token_metadata(d.path, vocab)
         return build_source(d.kind, path=d.path, vocab_size=vocab if d.kind != "text" else None, seed=d.seed)
 
-    def _document_eos(self, d, run_dir: Path) -> int:
+    def _document_eos(self, d) -> int:
         """The token that ends a document (``data.document_mask``): ``data.eos_id``, else the one
         prepare-data recorded beside the token file (the run's own token cache for text)."""
         if d.eos_id is not None:
