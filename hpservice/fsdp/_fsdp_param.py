@@ -48,11 +48,9 @@ def combined_mesh(first: DeviceMesh, second: DeviceMesh) -> DeviceMesh:
         )
     if not root.mesh_dim_names:
         raise ValueError("fully_shard: a DTensor parameter needs a root mesh with mesh_dim_names")
-    # by the meshes' own dim names: a flattened data-parallel dim (dp_shard_cp) stays one dim
-    names = (*first.mesh_dim_names, *second.mesh_dim_names) if first.mesh_dim_names and second.mesh_dim_names else None
-    if names is None:
-        names = tuple(root.mesh_dim_names[d] for d in first._root_dims + second._root_dims)
-    return root._slice(names)
+    # by the meshes' own dim names (sub-meshes of a named root always have them): a flattened
+    # data-parallel dim (dp_shard_cp) stays one dim
+    return root._slice((*first.mesh_dim_names, *second.mesh_dim_names))
 
 
 class FSDPParam:

@@ -402,17 +402,21 @@ class _RingAttentionMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def document_masking(document_ids: torch.Tensor):
-    """Inside: the built-in models' attention (``scaled_dot_product_attention`` here, and
-    ``F.scaled_dot_product_attention`` through the mode) attends only within a document, on one
-    rank, blockwise (no ``[seq, seq]`` mask); ``document_ids`` is ``[B, S]``."""
-    active = ActiveAttention(group=LOCAL, load_balance=False, rotate="ring", document_ids=document_ids)
+def _in_force(active: ActiveAttention):
+    """``active`` for our ``scaled_dot_product_attention`` (the stack) and torch's (the mode)."""
     _ACTIVE.append(active)
     try:
         with _RingAttentionMode(active):
             yield active
     finally:
         _ACTIVE.pop()
+
+
+def document_masking(document_ids: torch.Tensor):
+    """Inside: the built-in models' attention (``scaled_dot_product_attention`` here, and
+    ``F.scaled_dot_product_attention`` through the mode) attends only within a document, on one
+    rank, blockwise (no ``[seq, seq]`` mask); ``document_ids`` is ``[B, S]``."""
+    return _in_force(ActiveAttention(group=LOCAL, load_balance=False, rotate="ring", document_ids=document_ids))
 
 
 @contextlib.contextmanager
@@ -445,12 +449,10 @@ def context_parallel(
             buf.resize_(shard.shape).copy_(shard)
         originals.append((buf, whole))
     active = ActiveAttention(group=group, load_balance=load_balance, rotate=rotate, document_ids=document_ids)
-    _ACTIVE.append(active)
     try:
-        with _RingAttentionMode(active):
+        with _in_force(active):
             yield active
     finally:
-        _ACTIVE.pop()
         for buf, whole in originals:
             if id(buf) not in no_restore:
                 with torch.no_grad():
