@@ -92,34 +92,39 @@ def test_a_pipelined_step_gives_one_process_losses_and_gradients(ranks, schedule
         assert (grads[name] - g).abs().max().item() < 1e-6, name
 
 
-def _torchs(schedule, m):
+def _torchs(schedule, m, virtual):
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B as T1F1B
     from torch.distributed.pipelining import ScheduleGPipe as TGPipe
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B as TInterleaved
 
     pp, rank = dist.get_world_size(), dist.get_rank()
-    per_stage = LAYERS // pp
+    n_stages = pp * virtual
+    per_stage = LAYERS // n_stages
     model = _model()
-    part = nn.Sequential(*model[rank * per_stage : (rank + 1) * per_stage])
-    stage = TorchStage(part, rank, pp, torch.device("cpu"))
-    runner = {"gpipe": TGPipe, "1f1b": T1F1B}[schedule](stage, m, loss_fn=F.mse_loss)
+    parts, stages = [], []
+    for stage_index in range(rank, n_stages, pp):
+        part = nn.Sequential(*model[stage_index * per_stage : (stage_index + 1) * per_stage])
+        parts.append((stage_index * per_stage, part))
+        stages.append(TorchStage(part, stage_index, n_stages, torch.device("cpu")))
+    runner_cls = {"gpipe": TGPipe, "1f1b": T1F1B, "interleaved_1f1b": TInterleaved}[schedule]
+    runner = runner_cls(stages if virtual > 1 else stages[0], m, loss_fn=F.mse_loss)
     x, y = _batch()
     losses = []
-    if rank == 0:
-        runner.step(x)
-    else:
-        runner.step(target=y, losses=losses)
-    grads = {
-        f"{rank * per_stage + int(name.split('.', 1)[0])}.{name.split('.', 1)[1]}": p.grad.clone()
-        for name, p in part.named_parameters()
-    }
+    holds_first, holds_last = 0 in range(rank, n_stages, pp), (n_stages - 1) % pp == rank
+    runner.step(*((x,) if holds_first else ()), target=y if holds_last else None, losses=losses)
+    grads = {}
+    for first, part in parts:
+        for name, p in part.named_parameters():
+            block, rest = name.split(".", 1)
+            grads[f"{first + int(block)}.{rest}"] = p.grad.clone()
     return [loss.item() for loss in losses], grads
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_ours_equals_torchs_pipelining_on_the_same_stages_and_micro_batches(ranks, schedule):
-    ours = ranks(2).run(_pipelined, schedule, 4, 1)
-    theirs = ranks(2).run(_torchs, schedule, 4)
+@pytest.mark.parametrize(("schedule", "virtual"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_ours_equals_torchs_pipelining_on_the_same_stages_and_micro_batches(ranks, schedule, virtual):
+    ours = ranks(2).run(_pipelined, schedule, 4, virtual)
+    theirs = ranks(2).run(_torchs, schedule, 4, virtual)
     assert ours[1][0] == pytest.approx(theirs[1][0], abs=1e-6)
     for (_, mine), (_, torch_grads) in zip(ours, theirs, strict=True):
         assert mine.keys() == torch_grads.keys()
