@@ -76,6 +76,7 @@ def _pipelined(schedule, m, virtual):
         ("1f1b", 4, 8, 1),
         ("zero_bubble", 4, 8, 1),
         ("interleaved_1f1b", 4, 4, 2),
+        ("interleaved_1f1b", 1, 4, 2),  # consecutive stages on one rank: handed over without a transfer
     ],
 )
 def test_a_pipelined_step_gives_one_process_losses_and_gradients(ranks, schedule, pp, m, virtual):
