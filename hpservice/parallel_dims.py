@@ -2,8 +2,13 @@
 
 The world is laid out as one device mesh, outermost dim first::
 
-    dp_replicate x dp_shard x cp x tp        (row-major: tp ranks are adjacent)
+    pp x dp_replicate x dp_shard x cp x tp        (row-major: tp ranks are adjacent)
 
+- ``pp``: pipeline parallelism: each pp rank holds a stage (or ``pp_virtual_stages`` of them)
+  of the model, and every dim below is that stage's own layout. Outermost, so its ranks are the
+  furthest apart: point-to-point activations are the least traffic, and it is the dim that
+  crosses nodes. Every pp rank of a data-parallel rank reads the same batch (the first stage its
+  inputs, the last its targets).
 - ``dp_replicate``: HSDP replica groups (each holds the whole model; gradients all-reduce
   across them). May span nodes.
 - ``dp_shard``: the ranks fully_shard shards parameters over (FSDP). With ``tp``, one shard
@@ -33,9 +38,9 @@ if TYPE_CHECKING:
     from hpservice.dtensor import DeviceMesh
     from hpservice.spec import ParallelismSpec
 
-__all__ = ["CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "TP", "ParallelDims"]
+__all__ = ["CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "PP", "TP", "ParallelDims"]
 
-DP_REPLICATE, DP_SHARD, CP, TP = "dp_replicate", "dp_shard", "cp", "tp"  # the mesh's dims, outer to inner
+PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"  # the mesh's dims, outer to inner
 DP_SHARD_CP = "dp_shard_cp"  # dp_shard and cp flattened: what fully_shard shards over with cp
 _DATA_PARALLEL = (DP_REPLICATE, DP_SHARD)
 
@@ -50,14 +55,15 @@ class ParallelDims:
     tp: int
     world_size: int
     cp: int = 1
+    pp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        sizes = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        if min(sizes) < 1 or self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        if min(sizes) < 1 or self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
             raise ValueError(
-                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} != "
-                f"world size {self.world_size}"
+                f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp "
+                f"{self.tp} != world size {self.world_size}"
             )
 
     @classmethod
@@ -65,7 +71,7 @@ class ParallelDims:
         """The job's dims on ``world_size`` ranks (``dp_shard: -1`` takes the rest); raises the
         spec's SpecError, naming the fields, when they do not multiply to the world."""
         replicate, shard = parallelism.resolve(world_size)
-        return cls(replicate, shard, parallelism.tp, world_size, cp=parallelism.cp)
+        return cls(replicate, shard, parallelism.tp, world_size, cp=parallelism.cp, pp=parallelism.pp)
 
     # ---- sizes: pure, before any process group exists --------------------------------------
     @property
@@ -84,7 +90,7 @@ class ParallelDims:
         """(name, size) of the mesh's dims, outer to inner. Dims of size 1 are left out, except
         ``dp_shard`` unless tp or cp stands in for it (so fully_shard always has a dim to shard
         over when there is any data parallelism)."""
-        dims = [(DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (CP, self.cp), (TP, self.tp)]
+        dims = [(PP, self.pp), (DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (CP, self.cp), (TP, self.tp)]
         keep_shard = self.cp == 1 and (self.tp == 1 or self.dp_replicate > 1)
         return [(n, s) for n, s in dims if s > 1 or (n == DP_SHARD and keep_shard)]
 
@@ -127,6 +133,23 @@ class ParallelDims:
     def cp_mesh(self) -> DeviceMesh | None:
         """The ranks one sequence is split over (None without context parallelism)."""
         return self.world_mesh[CP] if self.cp > 1 else None
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """The ranks one micro-batch goes through, stage by stage (None without pipeline parallelism)."""
+        return self.world_mesh[PP] if self.pp > 1 else None
+
+    @property
+    def stage_mesh(self) -> DeviceMesh:
+        """The mesh of this rank's pipeline stage: every dim but pp (the world mesh without pp)."""
+        if self.pp == 1:
+            return self.world_mesh
+        return self.world_mesh[tuple(n for n, _ in self.mesh_dims if n != PP)]
+
+    @property
+    def pp_rank(self) -> int:
+        """Which stages this rank holds (stage ``s`` on pp rank ``s % pp``); 0 without pp."""
+        return self.world_mesh.get_local_rank(PP) if self.pp > 1 else 0
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:

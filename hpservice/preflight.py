@@ -7,8 +7,10 @@ placement, a rendezvous and minutes of retries before the job failed. The checks
 the job is handed over, and each names the field, the value and what would work:
 
 - ``check_layout``: the parallelism divides ``resources.workers`` (and each elastic size), the
-  global batch divides over the data-parallel ranks and gradient accumulation. Knowable anywhere:
-  ``validate``, ``run``, ``submit`` and the API all run it.
+  global batch divides over the data-parallel ranks and gradient accumulation (or the pipeline's
+  micro-batches), the pipeline schedule runs with those micro-batches, and a built-in model splits
+  into the pipeline's stages. Knowable anywhere: ``validate``, ``run``, ``submit`` and the API all
+  run it.
 - ``check_model``: a ``package.module:factory`` imports here and builds on the meta device
   (nothing is allocated). For a job run on this machine (``validate``, ``run``); the service has
   its operator's allowlist instead (``api/admission.py``), and the server checks at startup that every
@@ -64,20 +66,58 @@ def check_layout(spec: JobSpec) -> Errors:
         if sizes:
             message += f" (sizes it can shrink to: {', '.join(map(str, sizes))})"
         errors.append(("resources.min_workers", message))
-    dp, accum = dims.dp_size, spec.training.grad_accum
+    p, dp, accum = spec.parallelism, dims.dp_size, spec.training.grad_accum
+    micro, micro_name = (p.microbatches(accum), "pipeline micro-batches") if p.pp > 1 else (accum, "grad_accum")
     batch = spec.data.global_batch
-    if batch % (dp * accum):
-        fits = dp * accum
+    if batch % (dp * micro):
+        fits = dp * micro
         near = [n for n in (batch // fits * fits, (batch // fits + 1) * fits) if n > 0]
         errors.append((
             "data.global_batch",
-            f"{batch} does not split over {dp} data-parallel ranks x grad_accum {accum}: it must be a multiple of "
+            f"{batch} does not split over {dp} data-parallel ranks x {micro_name} {micro}: it must be a multiple of "
             f"{fits} (e.g. {' or '.join(map(str, near))})",
         ))  # fmt: skip
+    if p.pp > 1:
+        errors += _pipeline_errors(spec)
     if spec.eval.interval and spec.eval.data is not None and spec.eval.data.global_batch % dp:
         e = spec.eval.data.global_batch
         errors.append(("eval.data.global_batch", f"{e} does not split over {dp} data-parallel ranks: use a multiple of {dp}"))
     return errors
+
+
+def _pipeline_errors(spec: JobSpec) -> Errors:
+    """The schedule runs with the job's micro-batches, and a built-in model splits into its stages
+    (a factory's model is split where it is built: ``check_model``)."""
+    from hpservice.models import build_model, list_models
+    from hpservice.parallel.pipelining import compute_order
+
+    p = spec.parallelism
+    micro = p.microbatches(spec.training.grad_accum)
+    try:
+        compute_order(p.pp_schedule, p.pp, micro, p.pp_virtual_stages)
+    except ValueError as e:
+        return [("parallelism.pp_schedule", f"{e} (parallelism.pp_microbatches x training.grad_accum = {micro})")]
+    if spec.model.name not in list_models():
+        return []
+    m = spec.model
+    try:
+        model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+    except Exception:
+        return []
+    return _split_errors(model, spec)
+
+
+def _split_errors(model, spec: JobSpec) -> Errors:
+    """The (meta) ``model`` splits into every pp rank's stages."""
+    from hpservice.parallel.pipelining import split_model
+
+    p = spec.parallelism
+    try:
+        for rank in range(p.pp):
+            split_model(model, rank, p.pp, p.pp_virtual_stages, p.pp_layers_per_stage)
+    except ValueError as e:
+        return [("parallelism.pp", str(e))]
+    return []
 
 
 def check_model(spec: JobSpec) -> Errors:
@@ -98,12 +138,12 @@ def check_model(spec: JobSpec) -> Errors:
         return [("runtime.py_modules", f"{m}: no such file or directory") for m in missing]
     try:
         with _importable(spec.runtime.import_paths()):
-            build_model(name, None, spec.model.overrides, device="meta")
+            model = build_model(name, None, spec.model.overrides, device="meta")
     except ValueError as e:  # cannot import, no such attribute, not callable
         return [("model.name", str(e))]
     except Exception as e:  # the factory itself failed: a wrong keyword argument, its own checks
         return [("model.overrides", f"{name}(**overrides) failed on the meta device: {type(e).__name__}: {e}")]
-    return []
+    return _split_errors(model, spec) if spec.parallelism.pp > 1 else []
 
 
 @contextlib.contextmanager

@@ -81,7 +81,7 @@ def _ours(path: str) -> dict:
     t = time.perf_counter()
     with torch.device("meta"):
         model = Llama(llama_config_from_hf(path))
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.init_buffers()  # the rotary table; the weights come from the checkpoint

@@ -188,8 +188,8 @@ def torch_llama_plan(model: nn.Module, sequence_parallel: bool = False) -> dict:
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
-    for i in range(len(model.layers)):
-        p = f"layers.{i}."
+    for key in model.layers:
+        p = f"layers.{key}."
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[p + name] = ColwiseParallel()
         plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel)
@@ -218,7 +218,7 @@ def _wrap_torch(spec: TPWorkload, model: nn.Module, world: int) -> nn.Module:
     if set(plan) != set(ours):  # the same module names as our plan, or the comparison is off
         raise AssertionError(f"torch plan {sorted(set(plan) ^ set(ours))} differ from llama_tp_plan")
     parallelize_module(model, mesh, plan)
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.attention.n_heads //= world
         layer.attention.n_kv_heads //= world
     return model

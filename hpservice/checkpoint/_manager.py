@@ -50,7 +50,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -59,7 +58,7 @@ from hpservice.dtensor import DTensor
 from ._errors import CheckpointError, CheckpointStorageError
 from ._names import step_dir_name, step_of
 from ._reader import CheckpointReader, check_shapes, sha256_of, single_process_quiet, verify_files
-from ._state import optimizer_state_dict
+from ._state import Model, model_state_dict, optimizer_state_dict
 from ._storage import MANIFEST, FsspecStorage, is_remote, local_path
 
 __all__ = [
@@ -281,7 +280,7 @@ class CheckpointManager:
     def save(
         self,
         step: int,
-        model: nn.Module,
+        model: Model,
         optimizer: torch.optim.Optimizer | None = None,
         extra: dict[str, Any] | None = None,
         *,
@@ -289,9 +288,9 @@ class CheckpointManager:
     ) -> None:
         """Save ``model`` (and ``optimizer``) at ``step``; ``extra`` is this rank's trainer state."""
         self.wait()
-        state: dict[str, Any] = {"model": model.state_dict()}
+        state: dict[str, Any] = {"model": model_state_dict(model)}
         if optimizer is not None:
-            state["optim"] = optimizer_state_dict(model, optimizer)
+            state["optim"] = optimizer_state_dict(model, optimizer, process_group=self._group)
         extra = dict(extra or {})
         if self.async_save:
             staged = _stage(state, self._staging)
@@ -463,7 +462,7 @@ class CheckpointManager:
         return path
 
     def load(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int | str = "latest"
+        self, model: Model, optimizer: torch.optim.Optimizer | None = None, step: int | str = "latest"
     ) -> dict[str, Any]:
         """Load into ``model`` (and ``optimizer``), resharding as needed; return this rank's ``extra``."""
         self.wait()

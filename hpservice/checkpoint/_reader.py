@@ -20,13 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpservice.inputs import InputError, input_dir, open_input
 
 from ._errors import CheckpointError
-from ._state import load_optimizer_state_dict, optimizer_load_targets
+from ._state import Model, load_optimizer_state_dict, model_state_dict, optimizer_load_targets
 from ._storage import MANIFEST, FsspecStorage, is_remote, local_path
 from ._untrusted import SafeFileSystemReader, SafeFsspecReader, load_extra_bytes
 
@@ -93,13 +92,13 @@ class CheckpointReader:
         with self.opened() as (_, _, extra):
             return extra(rank)
 
-    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, group=None) -> dict[str, Any]:
+    def load(self, model: Model, optimizer: torch.optim.Optimizer | None = None, *, group=None) -> dict[str, Any]:
         """Load into ``model`` (and ``optimizer``), resharding as needed; collective over ``group``
         (None: this process alone). Returns this rank's trainer state (``extra``)."""
         with self.opened() as (reader, _, extra):
             metadata = reader.read_metadata()
             saved = {tuple(v): metadata.state_dict_metadata[k] for k, v in metadata.planner_data.items()}
-            state: dict[str, Any] = {"model": model.state_dict()}
+            state: dict[str, Any] = {"model": model_state_dict(model)}
             check_shapes(saved, state["model"], "model")
             if optimizer is not None:
                 if not any(k[0] == "optim" for k in saved):
@@ -107,7 +106,7 @@ class CheckpointReader:
                 state["optim"] = optimizer_load_targets(model, {k: v for k, v in saved.items() if k[0] == "optim"})
             dcp_load(state, reader, self.location, group=group)
             if optimizer is not None:
-                load_optimizer_state_dict(model, optimizer, state["optim"])
+                load_optimizer_state_dict(model, optimizer, state["optim"], process_group=group)
             return extra(_rank())
 
     def load_model_tensors(self) -> dict[str, torch.Tensor]:

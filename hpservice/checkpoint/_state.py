@@ -4,29 +4,71 @@ torch's ``Optimizer.state_dict()`` keys state by parameter *index*, which change
 model's wrapping and the optimizer's groups; a checkpoint keys it by the parameter's
 fully-qualified name instead, so it loads into a model sharded any other way. Tensor values
 stay DTensors (each rank saves only its shard) or plain tensors (replicated: saved once).
+
+A model may come in parts (``list[nn.Module]``): a rank's pipeline stages, whose parameter names
+are the whole model's. Their state is one name-keyed dict, and where the ranks hold different
+parts (pipeline parallelism), each optimizer group's names are the union over ``group``'s
+ranks, so the saved groups describe the whole model and load into any other split.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from hpservice.dtensor import DTensor
 
 from ._untrusted import load_param_groups, save_param_groups
 
-__all__ = ["load_optimizer_state_dict", "optimizer_state_dict", "param_names"]
+__all__ = ["load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict", "param_names"]
+
+Model = nn.Module | Sequence[nn.Module]
 
 
-def param_names(model: nn.Module) -> dict[int, str]:
+def _parts(model: Model) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def model_state_dict(model: Model) -> dict:
+    """The state dict of the model, or of all its parts (their names do not overlap)."""
+    state: dict = {}
+    for part in _parts(model):
+        state.update(part.state_dict())
+    return state
+
+
+def _named_parameters(model: Model) -> Iterator[tuple[str, torch.Tensor]]:
+    for part in _parts(model):
+        yield from part.named_parameters()
+
+
+def param_names(model: Model) -> dict[int, str]:
     """id(parameter) -> its first fully-qualified name (tied weights count once)."""
-    return {id(p): name for name, p in model.named_parameters()}
+    return {id(p): name for name, p in _named_parameters(model)}
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """{"state": {fqn: {key: tensor}}, "param_groups": BytesIO(torch.save of the groups, with fqn lists)}."""
+def _union_over_ranks(names: list[list[str]], group) -> list[list[str]]:
+    """Each optimizer group's names, united over the ranks of ``group`` (None: this rank's)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return names
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, names, group=group)
+    united = []
+    for i in range(len(names)):
+        seen: dict[str, None] = {}
+        for theirs in every:
+            seen.update(dict.fromkeys(theirs[i] if i < len(theirs) else []))
+        united.append(list(seen))
+    return united
+
+
+def optimizer_state_dict(model: Model, optimizer: torch.optim.Optimizer, *, process_group=None) -> dict:
+    """{"state": {fqn: {key: tensor}}, "param_groups": BytesIO(torch.save of the groups, with fqn
+    lists united over ``process_group``'s ranks)}; collective over it when it is given."""
     names = param_names(model)
     state: dict[str, dict] = {}
     groups = []
@@ -39,16 +81,18 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
             if p in optimizer.state:
                 state[names[id(p)]] = dict(optimizer.state[p])
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+    for saved, fqns in zip(groups, _union_over_ranks([g["params"] for g in groups], process_group), strict=True):
+        saved["params"] = fqns
     return {"state": state, "param_groups": save_param_groups(groups)}
 
 
-def optimizer_load_targets(model: nn.Module, saved_keys: dict[tuple, object]) -> dict:
+def optimizer_load_targets(model: Model, saved_keys: dict[tuple, object]) -> dict:
     """Tensors for DCP to load the optimizer state into, shaped and sharded like the parameters.
 
     ``saved_keys`` maps each saved optimizer entry's path, e.g. ("optim", "state", fqn, "exp_avg"),
     to its storage metadata.
     """
-    params = dict(model.named_parameters())
+    params = dict(_named_parameters(model))
     state: dict[str, dict] = {}
     for path, md in saved_keys.items():
         if len(path) != 4 or path[1] != "state":
@@ -65,8 +109,11 @@ def optimizer_load_targets(model: nn.Module, saved_keys: dict[tuple, object]) ->
     return {"state": state, "param_groups": io.BytesIO()}
 
 
-def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-    """Put name-keyed optimizer state (as loaded by DCP) into ``optimizer``."""
+def load_optimizer_state_dict(
+    model: Model, optimizer: torch.optim.Optimizer, loaded: dict, *, process_group=None
+) -> None:
+    """Put name-keyed optimizer state (as loaded by DCP) into ``optimizer``; each group's names,
+    united over ``process_group``'s ranks, must be the saved group's (collective over it)."""
     names = param_names(model)
     saved_groups = load_param_groups(loaded["param_groups"].getvalue())
     if len(saved_groups) != len(optimizer.param_groups):
@@ -74,11 +121,13 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             f"optimizer has {len(optimizer.param_groups)} param groups, the checkpoint {len(saved_groups)}"
         )
     index, groups, state = 0, [], {}
-    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+    mine = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    united = _union_over_ranks(mine, process_group)
+    for group, saved, everyone in zip(optimizer.param_groups, saved_groups, united, strict=True):
         fqns = [names[id(p)] for p in group["params"]]
-        if sorted(fqns) != sorted(saved["params"]):
-            missing = sorted(set(fqns) - set(saved["params"]))
-            extra = sorted(set(saved["params"]) - set(fqns))
+        if sorted(everyone) != sorted(saved["params"]):
+            missing = sorted(set(everyone) - set(saved["params"]))
+            extra = sorted(set(saved["params"]) - set(everyone))
             raise ValueError(
                 f"optimizer param group differs from the checkpoint: missing {missing}, unexpected {extra}"
             )

@@ -11,16 +11,32 @@ blocks its local piece touches and keeps the elements it owns, so
 - after each op the offset advances by the tensor's *global* numel (AUDIT 6), so consecutive
   ops never reuse a stream, on any rank.
 
+Per-parameter streams (``parameter_streams``): inside it, a draw into a named parameter uses a
+stream keyed by the parameter's name instead of the running offset, so a model's initial values
+do not depend on which other parameters were drawn before: a pipeline stage that holds blocks 2
+and 3 initialises them as the whole model does. The running offset does not move for those draws.
+
 The same code runs on CPU and CUDA generators (values differ between device types, as torch's
 own generators do).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["BLOCK", "OffsetBasedRNGTracker", "get_rng_state", "manual_seed", "set_rng_state"]
+__all__ = [
+    "BLOCK",
+    "OffsetBasedRNGTracker",
+    "get_rng_state",
+    "manual_seed",
+    "parameter_streams",
+    "set_rng_state",
+]
 
 BLOCK = 1 << 16
 _MASK64 = (1 << 64) - 1
@@ -45,6 +61,7 @@ class OffsetBasedRNGTracker:
     def __init__(self, seed: int | None = None):
         self.seed = seed
         self.offset = 0
+        self.streams: dict[int, int] = {}  # id(local piece) -> its own stream (parameter_streams)
 
     def ensure_seed(self, mesh) -> None:
         if self.seed is not None:
@@ -66,8 +83,10 @@ class OffsetBasedRNGTracker:
         numel = 1
         for s in spec.shape:
             numel *= s
-        start_offset = self.offset
-        self.offset += numel
+        start_offset = self.streams.get(id(local))
+        if start_offset is None:
+            start_offset = self.offset
+            self.offset += numel
         if local.numel() == 0:
             return
         index = _global_flat_index(spec.local_shape, spec.local_offset, spec.shape, local.device)
@@ -113,6 +132,23 @@ def manual_seed(seed: int) -> None:
     """Seed DTensor random ops; call with the same seed on every rank (like torch.manual_seed)."""
     _default_tracker.seed = int(seed) & ((1 << 63) - 1)
     _default_tracker.offset = 0
+
+
+@contextlib.contextmanager
+def parameter_streams(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[None]:
+    """Inside: random draws into each of the ``(name, DTensor)`` pairs come from a stream keyed
+    by ``name`` (the same on every rank and in every layout), not from the running offset. For
+    initialising a model whose parts live on different ranks (pipeline stages): a parameter's
+    values are a function of the seed, its name and its elements' global indices only."""
+    streams = {}
+    for name, t in named:
+        key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+        streams[id(t._wait_local())] = key | (1 << 63)  # above every running offset
+    saved, _default_tracker.streams = _default_tracker.streams, streams
+    try:
+        yield
+    finally:
+        _default_tracker.streams = saved
 
 
 def get_rng_state() -> tuple[int | None, int]:

@@ -16,9 +16,13 @@ Usage::
 
 What the trainer can rely on for the built-ins:
 
-- **Blocks**: the repeated blocks are ``model.layers``, an ``nn.ModuleList`` (``model.blocks()``
-  returns the same list). Wrap each with ``fully_shard`` (and/or activation checkpointing), then
-  the root module, so the embedding/head land in the root group.
+- **Blocks**: the repeated blocks are ``model.layers``, an ``nn.ModuleDict`` keyed ``"0"``,
+  ``"1"``, ... (``model.blocks()`` lists them): parameter names are a list's
+  (``layers.3.attention.wq.weight``), and stay so in a pipeline stage.
+- **Pipeline stages**: ``model.keep_stage(layers, first=, last=)`` trims a (meta) model in place
+  to one stage; its forward then passes hidden states in and/or out.
+- Wrap each block with ``fully_shard`` (and/or activation checkpointing), then the root module,
+  so the embedding/head land in the root group.
 - **Init**: ``model.init_weights()`` re-initialises every parameter in place using only
   ``torch.nn.init.*`` on whole parameters (works on sharded DTensors) and recomputes the non-
   persistent buffers (Llama's ``rope_cache``) on the parameters' device. Meta-device flows:

@@ -55,7 +55,7 @@ def next_logits(model: Llama, tokens: torch.Tensor, cache: KVCache) -> torch.Ten
         raise ValueError(f"generation past LlamaConfig.max_seq_len ({model.cfg.max_seq_len})")
     rope = model.rope_cache[start : start + S]
     h = model.tok_embeddings(tokens)
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers.values()):
         h = h + _attention(layer.attention, layer.attention_norm(h), rope, cache, i)
         h = h + layer.feed_forward(layer.ffn_norm(h))
     cache.length += S

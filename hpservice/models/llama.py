@@ -27,13 +27,19 @@ Initialisation contract (what the trainer relies on):
 
       # hpservice.fsdp: fully_shard allocates each rank's (zero) shards on the mesh device itself,
       # so no to_empty; init_weights then fills the DTensor shards (sharding-independent values).
-      for block in model.layers:
+      for block in model.layers.values():
           fully_shard(block, mesh=mesh)
       fully_shard(model, mesh=mesh)
       model.init_weights()
 
-- The transformer blocks are ``model.layers`` (an ``nn.ModuleList``): wrap each with
+- The transformer blocks are ``model.layers``, an ``nn.ModuleDict`` keyed ``"0"``, ``"1"``, ...
+  (torchtitan's choice): the parameter names are those of a list (``layers.3.attention.wq.weight``),
+  and a pipeline stage that drops blocks (``keep_stage``) keeps the others' names. Wrap each with
   ``fully_shard`` (or activation checkpointing), then the root.
+- Pipeline stages: ``keep_stage(layers, first=, last=)`` trims a (meta) model in place to the
+  blocks ``layers`` and, on the first stage, the embedding, on the last the final norm and head;
+  ``forward`` then takes what the previous stage returned and returns the hidden states (not the
+  logits) unless it is the last stage.
 """
 
 from __future__ import annotations
@@ -336,7 +342,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, cfg) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -349,9 +355,29 @@ class Llama(nn.Module):
         )
         self.init_weights()
 
-    def blocks(self) -> nn.ModuleList:
-        """The transformer blocks (``self.layers``), the unit the trainer shards / checkpoints."""
-        return self.layers
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks (``self.layers``' values), the unit the trainer shards / checkpoints."""
+        return list(self.layers.values())
+
+    def keep_stage(self, layers: list[str], *, first: bool, last: bool) -> None:
+        """Trim this model, in place, to one pipeline stage: the blocks named ``layers`` (keys of
+        ``self.layers``), the embedding if ``first``, the final norm and head if ``last``. Names
+        stay global (a checkpoint of the stages is a checkpoint of the model)."""
+        if self.cfg.tie_embeddings and first != last:
+            raise ValueError(
+                "a Llama with tie_embeddings cannot be split into pipeline stages: the head and the embedding "
+                "are one parameter, and they would live on different stages"
+            )
+        unknown = sorted(set(layers) - set(self.layers.keys()))
+        if unknown:
+            raise ValueError(f"keep_stage: no blocks {unknown} (the model has {list(self.layers.keys())})")
+        for name in list(self.layers.keys()):
+            if name not in layers:
+                del self.layers[name]
+        if not first:
+            self.tok_embeddings = None
+        if not last:
+            self.norm = self.output = None
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -370,7 +396,12 @@ class Llama(nn.Module):
         """
         self.init_buffers()
         std_out = self.cfg.dim**-0.5  # keeps the initial logits at unit scale
-        if self.cfg.tie_embeddings:
+        if self.tok_embeddings is None or self.output is None:  # a pipeline stage (never tied)
+            if self.tok_embeddings is not None:
+                nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+            if self.output is not None:
+                nn.init.normal_(self.output.weight, std=std_out)
+        elif self.cfg.tie_embeddings:
             if self.output.weight is not self.tok_embeddings.weight:
                 # ``to_empty`` from the meta device gives each use its own Parameter: tie again.
                 self.output.weight = self.tok_embeddings.weight
@@ -380,9 +411,10 @@ class Llama(nn.Module):
         else:
             nn.init.normal_(self.tok_embeddings.weight, std=1.0)
             nn.init.normal_(self.output.weight, std=std_out)
-        for layer in self.layers:
+        for layer in self.layers.values():
             layer.reset_parameters()
-        self.norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
 
     def parallelize(self, tp_mesh, *, sequence_parallel: bool = False) -> None:
         """Tensor (and sequence) parallelism on the 1-d ``tp_mesh``, in place: this model's plan,
@@ -395,18 +427,20 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: LongTensor [B, S] with S <= max_seq_len -> logits [B, S, vocab_size].
         ``positions`` ([S], default ``0..S-1``): the global position of each token, for a shard of a
-        longer sequence (context parallelism: ``hpservice.parallel.context_parallel.positions``)."""
+        longer sequence (context parallelism: ``hpservice.parallel.context_parallel.positions``).
+        A pipeline stage (``keep_stage``) without the embedding takes hidden states ``[B, S, dim]``
+        instead of tokens; one without the head returns hidden states."""
         seq_len = tokens.shape[1]
         last = seq_len if positions is None else int(positions.max()) + 1
         if last > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {last} is longer than LlamaConfig.max_seq_len ({self.cfg.max_seq_len})"
             )
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache[:seq_len] if positions is None else self.rope_cache[positions]
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h, rope)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
 
 
 # ----------------------------------------------------------------------------------------------

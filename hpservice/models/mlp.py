@@ -10,7 +10,8 @@ which is all a throughput benchmark needs and still gives a falling loss on patt
 It follows the same contract as ``hpservice.models.llama``: ``MLPModel(cfg)`` builds and
 initialises; ``init_weights()`` re-initialises every parameter in place with ``torch.nn.init.*``
 (so it works on the meta device after ``to_empty`` and on sharded DTensor parameters); the blocks
-are ``model.layers`` (an ``nn.ModuleList``), the unit to wrap with ``fully_shard``.
+are ``model.layers`` (an ``nn.ModuleDict`` keyed ``"0"``, ``"1"``, ...), the unit to wrap with
+``fully_shard``; ``keep_stage`` trims it to one pipeline stage, as Llama's does.
 """
 
 from __future__ import annotations
@@ -74,32 +75,47 @@ class MLPModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(MLPBlock(i, cfg) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleDict({str(i): MLPBlock(i, cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights()
 
-    def blocks(self) -> nn.ModuleList:
-        """The residual blocks (``self.layers``), the unit the trainer shards / checkpoints."""
-        return self.layers
+    def blocks(self) -> list[nn.Module]:
+        """The residual blocks (``self.layers``' values), the unit the trainer shards / checkpoints."""
+        return list(self.layers.values())
+
+    def keep_stage(self, layers: list[str], *, first: bool, last: bool) -> None:
+        """Trim this model, in place, to one pipeline stage (see ``Llama.keep_stage``)."""
+        unknown = sorted(set(layers) - set(self.layers.keys()))
+        if unknown:
+            raise ValueError(f"keep_stage: no blocks {unknown} (the model has {list(self.layers.keys())})")
+        for name in list(self.layers.keys()):
+            if name not in layers:
+                del self.layers[name]
+        if not first:
+            self.embedding = None
+        if not last:
+            self.norm = self.head = None
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise every parameter in place (``torch.nn.init.normal_`` / ``ones_`` on whole
         parameters only; no ``trunc_normal_``, whose rejection loop sharded DTensors do not support)."""
-        nn.init.normal_(self.embedding.weight, std=1.0)
-        for layer in self.layers:
+        if self.embedding is not None:
+            nn.init.normal_(self.embedding.weight, std=1.0)
+        for layer in self.layers.values():
             layer.reset_parameters()
-        self.norm.reset_parameters()
-        std = self.cfg.dim**-0.5
-        nn.init.normal_(self.head.weight, std=std)
+        if self.head is not None:
+            self.norm.reset_parameters()
+            nn.init.normal_(self.head.weight, std=self.cfg.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: LongTensor [B, S] -> logits [B, S, vocab_size]."""
-        h = self.embedding(tokens)
-        for layer in self.layers:
+        """tokens: LongTensor [B, S] -> logits [B, S, vocab_size] (a pipeline stage: hidden states
+        in without the embedding, out without the head)."""
+        h = self.embedding(tokens) if self.embedding is not None else tokens
+        for layer in self.layers.values():
             h = layer(h)
-        return self.head(self.norm(h))
+        return self.head(self.norm(h)) if self.head is not None else h
 
 
 def flops_per_token(cfg: MLPConfig, seq_len: int | None = None, *, attention: bool = True) -> int:

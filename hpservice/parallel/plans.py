@@ -100,8 +100,8 @@ def llama_tp_plan(
         if vocab_parallel_embedding:
             plan["tok_embeddings"] = RowwiseParallel()  # ids Replicate, output Replicate (a plain tensor)
         plan["output"] = ColwiseParallel(use_local_output=False)
-    for i in range(len(model.layers)):
-        p = f"layers.{i}."
+    for key in model.layers:
+        p = f"layers.{key}."
         if sequence_parallel:
             plan.update(
                 {
@@ -127,7 +127,8 @@ def llama_tp_plan(
                 p + "feed_forward.w3": ColwiseParallel(),
             }
         )
-    return plan
+    # a pipeline stage (Llama.keep_stage) holds the embedding only first, the norm and head only last
+    return {fqn: style for fqn, style in plan.items() if getattr(model, fqn.split(".")[0], None) is not None}
 
 
 def apply_llama_tp(
@@ -147,7 +148,7 @@ def apply_llama_tp(
         model, tp, sequence_parallel=sequence_parallel, vocab_parallel_embedding=vocab_parallel_embedding
     )
     parallelize_module(model, mesh, plan)
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.attention.n_heads //= tp
         layer.attention.n_kv_heads //= tp
     return model

@@ -184,6 +184,34 @@ class ParallelismSpec(_Section):
         "tail chunk each) and attention runs as ring attention; fully_shard shards over dp_shard x cp. "
         "data.seq_len must be divisible by 2 x cp",
     )
+    pp: int = Field(
+        1,
+        ge=1,
+        description="pipeline parallel degree: the model's blocks are split into pp x pp_virtual_stages stages "
+        "(the first also holds the embedding, the last the final norm and head), stage s on pp rank s % pp; the "
+        "outermost mesh dim, so it is the one that crosses nodes",
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+        "1f1b",
+        description="with pp > 1, the order of the micro-batches' forwards and backwards: gpipe (all forwards, then "
+        "all backwards), 1f1b, interleaved_1f1b (pp_virtual_stages stages per rank) or zero_bubble (backward split "
+        "into input and weight gradients)",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="with pp > 1, micro-batches each data-parallel rank's batch is split into per step (times "
+        "training.grad_accum); default pp",
+    )
+    pp_virtual_stages: int = Field(
+        1, ge=1, description="stages per pp rank (interleaved_1f1b only): a shorter pipeline fill and drain"
+    )
+    pp_layers_per_stage: list[int] | None = Field(
+        None,
+        max_length=4096,
+        description="with pp > 1, how many blocks each stage holds, first stage first (they add up to the model's "
+        "blocks); default as even as possible, the first stages taking one more",
+    )
     cp_rotate: Literal["ring", "allgather"] = Field(
         "ring",
         description="with cp > 1, how keys/values reach every rank: passed round a ring (ring), or gathered at once "
@@ -216,22 +244,59 @@ class ParallelismSpec(_Section):
         return self
 
     @model_validator(mode="after")
-    def _context_parallel_composes_with_what_is_built(self):
+    def _pipeline_composes_with_what_is_built(self):
+        if self.pp == 1:
+            for name in ("pp_microbatches", "pp_layers_per_stage"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"parallelism.{name} needs pp > 1")
+            if self.pp_virtual_stages != 1:
+                raise ValueError("parallelism.pp_virtual_stages needs pp > 1")
+            return self
+        if self.cp > 1:
+            raise ValueError("parallelism.pp > 1 with cp > 1 is not built yet; use one of them")
+        if self.sequence_parallel:
+            raise ValueError(
+                "parallelism.pp > 1 with sequence_parallel is not built yet (stages would pass sequence-sharded "
+                "DTensors); use tp without sequence_parallel"
+            )
+        if self.pp_virtual_stages > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"parallelism.pp_virtual_stages {self.pp_virtual_stages}: several stages per rank need pp_schedule "
+                f"interleaved_1f1b, not {self.pp_schedule}"
+            )
+        stages = self.pp * self.pp_virtual_stages
+        counts = self.pp_layers_per_stage
+        if counts is not None and (len(counts) != stages or min(counts) < 1):
+            raise ValueError(
+                f"parallelism.pp_layers_per_stage {counts}: expected {stages} counts (pp {self.pp} x "
+                f"pp_virtual_stages {self.pp_virtual_stages}), each >= 1"
+            )
         return self
+
+    def microbatches(self, grad_accum: int = 1) -> int:
+        """Micro-batches per step of a pipeline (``pp_microbatches``, default pp, times ``grad_accum``)."""
+        return (self.pp_microbatches or self.pp) * grad_accum
+
+    @property
+    def fixed_degree(self) -> int:
+        """Ranks the dims other than dp_shard take: pp x dp_replicate x cp x tp."""
+        return self.pp * self.dp_replicate * self.cp * self.tp
+
+    def _fixed_names(self, shard: int | None = None) -> str:
+        """``dp_replicate x tp`` (and ``pp``, ``cp`` where they are set), with sizes when asked."""
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", shard), ("cp", self.cp), ("tp", self.tp)]
+        shown = [(n, s) for n, s in dims if n in ("dp_replicate", "tp") or (n == "dp_shard" and s is not None) or s > 1]
+        return " x ".join(f"{n} {s}" if shard is not None else n for n, s in shown)
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for ``world_size`` ranks."""
-        fixed = self.dp_replicate * self.cp * self.tp
+        fixed = self.fixed_degree
         rest, rem = divmod(world_size, fixed)
         if rem:
-            names = "dp_replicate x cp x tp" if self.cp > 1 else "dp_replicate x tp"
-            raise SpecError(f"parallelism: world size {world_size} is not divisible by {names} = {fixed}")
+            raise SpecError(f"parallelism: world size {world_size} is not divisible by {self._fixed_names()} = {fixed}")
         shard = rest if self.dp_shard == -1 else self.dp_shard
         if fixed * shard != world_size:
-            cp = f" x cp {self.cp}" if self.cp > 1 else ""
-            raise SpecError(
-                f"parallelism: dp_replicate {self.dp_replicate} x dp_shard {shard}{cp} x tp {self.tp} != world size {world_size}"
-            )
+            raise SpecError(f"parallelism: {self._fixed_names(shard)} != world size {world_size}")
         return self.dp_replicate, shard
 
 

@@ -25,7 +25,7 @@ def transformer_blocks(model: nn.Module, what: str) -> list[nn.Module]:
     """The model's repeated blocks (``model.layers``), which checkpointing and compile act on."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-        raise ValueError(f"{what} needs a model whose blocks are in .layers (an nn.ModuleList); {type(model).__name__} has none")
+        raise ValueError(f"{what} needs a model whose blocks are in .layers (an nn.ModuleDict or nn.ModuleList); {type(model).__name__} has none")
     return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 

@@ -1,10 +1,15 @@
 """The training loop of a job. It knows nothing of Ray: it runs under torchrun, in a test's rank
 pool, or inside a Ray worker actor, wherever torch.distributed's env:// variables are set.
 
-Read it top to bottom: ``Trainer.__init__`` builds the mesh (``ParallelDims``: dp_replicate x dp_shard x cp x tp),
-the model (on the meta device, laid out by tensor parallelism and fully_shard, then each rank
-allocates and initialises only its own pieces), the optimizer, the LR schedule, the data and the
-checkpoints, and resumes if asked; ``train`` loops over ``train_step`` and saves checkpoints.
+Read it top to bottom: ``Trainer.__init__`` builds the mesh (``ParallelDims``: pp x dp_replicate x
+dp_shard x cp x tp), the model (on the meta device, split into this rank's pipeline stages, each
+laid out by tensor parallelism and fully_shard, then each rank allocates and initialises only its
+own pieces), the optimizer, the LR schedule, the data and the checkpoints, and resumes if asked;
+``train`` loops over ``train_step`` and saves checkpoints.
+
+The model is ``model_parts``: one module, or with pipeline parallelism this rank's stages, whose
+parameter names are the whole model's. A step runs the micro-batches through them with the
+pipeline schedule (``parallelism.pp_schedule``), the loss on the last stage.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ from hpservice.models.hf import load_hf_weights
 from hpservice.parallel import ParallelDims, vocab_parallel_cross_entropy
 from hpservice.parallel.context_parallel import context_parallel, document_ids_from_eos, document_masking
 from hpservice.parallel.context_parallel import positions as cp_positions
+from hpservice.parallel.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    split_model,
+)
 from hpservice.spec import JobSpec, new_run_id
 
 from ._activation_checkpointing import apply_activation_checkpointing
@@ -115,11 +128,30 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
         raise TrainingError(str(e)) from e
 
 
+PIPELINE_SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+
+
+def apply_pp(model: nn.Module, pp_rank: int, spec: JobSpec) -> list[tuple[int, nn.Module]]:
+    """This pp rank's stages of the (meta) model: ``(stage_index, module)``, split by blocks
+    (``hpservice.parallel.pipelining.split_model``), each still on the meta device."""
+    p = spec.parallelism
+    try:
+        return split_model(model, pp_rank, p.pp, p.pp_virtual_stages, p.pp_layers_per_stage)
+    except ValueError as e:
+        raise TrainingError(str(e)) from e
+
+
 def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
-    """Run the model's own ``init_weights()`` with the sharding-independent DTensor RNG, so every
-    layout (FSDP, HSDP, tp, one process) starts from the same values for the same seed. Parameters
-    that are still plain tensors (replicated ones under tp alone) are wrapped as Replicate DTensors
-    on ``mesh`` for the init, so they draw from the same RNG stream, then unwrapped."""
+    """Run the model's own ``init_weights()`` with the sharding-independent DTensor RNG, each
+    parameter from a stream keyed by its name (``parameter_streams``), so every layout (FSDP,
+    HSDP, tp, pipeline stages, one process) starts from the same values for the same seed.
+    Parameters that are still plain tensors (replicated ones under tp alone) are wrapped as
+    Replicate DTensors on ``mesh`` for the init, so they draw from the same streams, then unwrapped."""
     plain = []
     for module in model.modules():
         for name, param in list(module._parameters.items()):
@@ -128,7 +160,7 @@ def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
                 module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
                 plain.append((module, name))
     dtensor_random.manual_seed(seed)
-    with torch.no_grad():
+    with torch.no_grad(), dtensor_random.parameter_streams(model.named_parameters()):
         if callable(getattr(model, "init_weights", None)):
             model.init_weights()
         else:
@@ -222,9 +254,11 @@ def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     return sorted(frozen)
 
 
-def build_optimizer(model: nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module | list[nn.Module], spec: JobSpec) -> torch.optim.Optimizer:
+    """One optimizer over the model's (or all its parts') trainable parameters."""
     o = spec.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]  # frozen ones (training.freeze) stay out
+    parts = model if isinstance(model, list) else [model]
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]  # training.freeze's stay out
     if o.name == "adamw":
         return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
@@ -254,8 +288,9 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _step_consensus(loss: torch.Tensor, stop_requested: bool) -> tuple[float, bool]:
-    """One all-reduce per step: the mean loss over ranks, and whether any rank was asked to stop.
+def _step_consensus(loss: torch.Tensor, stop_requested: bool, holders: int) -> tuple[float, bool]:
+    """One all-reduce per step: the mean loss over the ``holders`` ranks that computed one (all,
+    or the last pipeline stage's; the others add zero), and whether any rank was asked to stop.
 
     A stop request reaches each rank's thread at its own moment; deciding on it together, after
     the same step, keeps every rank issuing the same collectives (one rank checkpointing while
@@ -263,7 +298,7 @@ def _step_consensus(loss: torch.Tensor, stop_requested: bool) -> tuple[float, bo
     flag = torch.tensor(float(stop_requested), dtype=torch.float64, device=loss.device)
     t = torch.stack([loss.detach().to(torch.float64).reshape(()), flag])  # on the loss's device (nccl needs cuda)
     dist.all_reduce(t)
-    return t[0].item() / dist.get_world_size(), t[1].item() > 0
+    return t[0].item() / holders, t[1].item() > 0
 
 
 class Trainer:
@@ -299,8 +334,8 @@ class Trainer:
             run_id = [new_run_id(spec.name) if self.rank == 0 else None]
             dist.broadcast_object_list(run_id, src=0)
             spec = self.spec = spec.with_run(run_id[0])
-        # the mesh (dp_replicate x dp_shard x cp x tp), the dims fully_shard shards over, this rank's
-        # data-parallel rank and size: one object (hpservice/parallel_dims.py)
+        # the mesh (pp x dp_replicate x dp_shard x cp x tp), the dims fully_shard shards over, this
+        # rank's data-parallel rank and size: one object (hpservice/parallel_dims.py)
         self.parallel_dims = ParallelDims.from_spec(spec.parallelism, self.world)
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.tp = self.parallel_dims.tp > 1
@@ -308,43 +343,25 @@ class Trainer:
         # every context- and tensor-parallel rank of one data-parallel rank reads the same batch
         self.dp_rank, self.dp_size = self.parallel_dims.dp_rank, self.parallel_dims.dp_size
         self.cp_mesh = self.parallel_dims.cp_mesh  # each sequence is split over it (ring attention)
+        self.pp_mesh = self.parallel_dims.pp_mesh  # a micro-batch goes through its ranks' stages
 
-        # Built on the meta device, laid out (tp, then fully_shard over the dp dims), then each rank
-        # allocates and initialises only its own pieces: the full model never exists on one rank.
+        # Built on the meta device, split into this rank's pipeline stages, each laid out (tp, then
+        # fully_shard over the dp dims), then each rank allocates and initialises only its own
+        # pieces: the full model never exists on one rank.
         m = spec.model
-        self.model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
-        if self.tp:
-            apply_tp(self.model, self.parallel_dims.tp_mesh, spec)
-        try:  # after tp, before fully_shard (torchtitan's order)
-            apply_activation_checkpointing(self.model, spec)
-            if spec.training.compile:
-                apply_compile(self.model, fullgraph=self.cp_mesh is None)
-        except ValueError as e:
-            raise TrainingError(str(e)) from e
-        self.fsdp = self.dp_mesh is not None
-        if self.fsdp:
-            apply_fsdp(self.model, self.dp_mesh, spec)
-        else:  # tp alone: allocate each rank's pieces (the styles re-install their gradient hooks)
-            if spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
-                raise TrainingError(
-                    "parallelism.mixed_precision and cpu_offload come from fully_shard: with tp alone (data-parallel "
-                    "size 1) they are not built yet; use dp_shard >= 2 or set them to none/false"
-                )
-            self.model.to_empty(device=self.device)
-        if m.init_from is not None:  # pretrained weights: each rank reads its own slices
-            self.model.init_buffers()
-            load_hf_weights(self.model, m.init_from)
-        else:
-            init_weights(self.model, self.mesh, spec.training.seed)
-
-        if self.cp_mesh is not None and "positions" not in inspect.signature(self.model.forward).parameters:
+        model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+        frozen = set(freeze(model, spec.training.freeze))  # the patterns must match the whole model
+        if self.cp_mesh is not None and "positions" not in inspect.signature(model.forward).parameters:
             raise TrainingError(
                 "parallelism.cp > 1 needs a model whose forward takes positions= (the global position of each "
                 "token of its part of the sequence), as the built-in llama's does"
             )
-        freeze(self.model, spec.training.freeze)
+        stages = apply_pp(model, self.parallel_dims.pp_rank, spec) if self.pp_mesh is not None else [(0, model)]
+        self.fsdp = self.dp_mesh is not None
+        self.model_parts = [self._lay_out(part, frozen) for _, part in stages]
         self._loss = torch.compile(cross_entropy_loss) if spec.training.compile else cross_entropy_loss
-        self.optimizer = build_optimizer(self.model, spec)
+        self.pipeline = self._pipeline([s for s, _ in stages]) if self.pp_mesh is not None else None
+        self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.model_config_dict = None
         self.text_record = self._text_record() if self.rank == 0 and m.name == "llama" else None
@@ -356,7 +373,7 @@ class Trainer:
             flops_no_attention = flops_per_token(config, spec.data.seq_len, attention=False)
         else:  # a custom factory: the 6N estimate
             vocab = spec.data.vocab_size
-            flops = flops_no_attention = 6 * num_params(self.model)
+            flops = flops_no_attention = 6 * num_params(model)
         self.utilisation = Utilisation(self.device, spec.parallelism.mixed_precision, flops, flops_no_attention)
         if spec.data.kind == "synthetic" and vocab is None:
             raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
@@ -386,6 +403,64 @@ class Trainer:
         if spec.metrics.profile is not None:
             self._profiler = StepProfiler(spec.metrics.profile, spec.artifacts_dir(), self.rank, self.device)
         self._profiler_reported = False
+
+    @property
+    def model(self) -> nn.Module:
+        """This rank's model: the whole model, or its one pipeline stage (``model_parts`` holds
+        a rank's several stages under ``pp_virtual_stages``)."""
+        if len(self.model_parts) != 1:
+            raise AttributeError(
+                f"this rank holds {len(self.model_parts)} pipeline stages: use Trainer.model_parts"
+            )
+        return self.model_parts[0]
+
+    def _lay_out(self, model: nn.Module, frozen: set[str]) -> nn.Module:
+        """A (meta) model or stage laid out on this rank's mesh and filled: tp, activation
+        checkpointing and compile, fully_shard (or tp alone: allocated as it is), then weights
+        from ``model.init_from`` or the seed; ``frozen`` parameters stop requiring gradients."""
+        spec = self.spec
+        if self.tp:
+            apply_tp(model, self.parallel_dims.tp_mesh, spec)
+        try:  # after tp, before fully_shard (torchtitan's order)
+            apply_activation_checkpointing(model, spec)
+            if spec.training.compile:
+                apply_compile(model, fullgraph=self.cp_mesh is None)
+        except ValueError as e:
+            raise TrainingError(str(e)) from e
+        if self.fsdp:
+            apply_fsdp(model, self.dp_mesh, spec)
+        else:  # tp alone: allocate each rank's pieces (the styles re-install their gradient hooks)
+            if spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
+                raise TrainingError(
+                    "parallelism.mixed_precision and cpu_offload come from fully_shard: with tp alone (data-parallel "
+                    "size 1) they are not built yet; use dp_shard >= 2 or set them to none/false"
+                )
+            model.to_empty(device=self.device)
+        if spec.model.init_from is not None:  # pretrained weights: each rank reads its own slices
+            model.init_buffers()
+            load_hf_weights(model, spec.model.init_from)
+        else:
+            init_weights(model, self.parallel_dims.stage_mesh, spec.training.seed)
+        for name, param in model.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
+        return model
+
+    def _pipeline(self, stage_indices: list[int]):
+        """The schedule (``parallelism.pp_schedule``) over this rank's stages, with the loss on
+        the last; its micro-batches are ``pp_microbatches x training.grad_accum``."""
+        p, accum = self.spec.parallelism, self.spec.training.grad_accum
+        stages = [
+            PipelineStage(part, s, p.pp * p.pp_virtual_stages, self.device, group=self.pp_mesh.get_group())
+            for s, part in zip(stage_indices, self.model_parts, strict=True)
+        ]
+        try:
+            return PIPELINE_SCHEDULES[p.pp_schedule](stages, p.microbatches(accum), loss_fn=self._loss)
+        except ValueError as e:
+            raise TrainingError(
+                f"parallelism.pp_schedule {p.pp_schedule} with pp_microbatches x training.grad_accum = "
+                f"{p.microbatches(accum)}: {e}"
+            ) from e
 
     def _text_record(self) -> dict | None:
         """The special token ids, generation config and tokenizer files of this run's model
@@ -459,7 +534,7 @@ class Trainer:
                     "resume_from: latest, but no checkpoint under %s yet: starting fresh", self.spec.checkpoint.dir
                 )
                 return
-            extra = self.checkpoints.load(self.model, self.optimizer)
+            extra = self.checkpoints.load(self.model_parts, self.optimizer)
         else:
             name = resume_from.rstrip("/").rpartition("/")[2]  # a path or a URL: .../step-N
             if step_of(name) is None:
@@ -468,7 +543,7 @@ class Trainer:
                 )
             # an input (another run's, or a tenant's files): read-only, confined, no code in it runs
             reader = CheckpointReader(resume_from)
-            extra = reader.load(self.model, self.optimizer, group=self.checkpoints.group)
+            extra = reader.load(self.model_parts, self.optimizer, group=self.checkpoints.group)
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
@@ -487,7 +562,7 @@ class Trainer:
         if self.rank == 0 and self.text_record is not None:  # what an HF export writes besides weights
             extra["model"]["text"] = self.text_record
         self._report_committed()  # save() waits for the previous async save: it is committed now
-        self.checkpoints.save(self.step, self.model, self.optimizer, extra, metrics=metrics)
+        self.checkpoints.save(self.step, self.model_parts, self.optimizer, extra, metrics=metrics)
         self._uncommitted.append({"step": self.step, "metrics": metrics or {}})
         if not self.spec.checkpoint.async_:
             self._report_committed()
@@ -552,21 +627,28 @@ class Trainer:
         )
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         loss_sum = torch.zeros((), device=self.device)
-        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
-            if self.fsdp:
-                self.model.set_requires_gradient_sync(micro == accum - 1)
-            with self._attention(x):  # backward too: activation checkpointing recomputes there
-                loss = self._micro_batch_loss(x, y) / accum
-                loss.backward()
-            loss_sum += loss.detach()
-        loss_value, self._stopping = _step_consensus(loss_sum, self._stop.is_set())
+        if self.pipeline is not None:  # micro-batches through the stages; the loss on the last
+            losses: list[torch.Tensor] = []
+            self.pipeline.step(inputs, target=targets, losses=losses)
+            if losses:
+                loss_sum += torch.stack(losses).mean()
+        else:
+            for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
+                if self.fsdp:
+                    self.model.set_requires_gradient_sync(micro == accum - 1)
+                with self._attention(x):  # backward too: activation checkpointing recomputes there
+                    loss = self._micro_batch_loss(x, y) / accum
+                    loss.backward()
+                loss_sum += loss.detach()
+        loss_value, self._stopping = _step_consensus(loss_sum, self._stop.is_set(), self._loss_holders)
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad()
             if not spec.training.skip_nonfinite:
                 raise TrainingError(f"non-finite loss ({loss_value}) at step {self.step + 1}")
             log.warning("step %d: non-finite loss, step skipped", self.step + 1)
         max_norm = spec.training.max_grad_norm or float("inf")
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, max_norm, pp_group=self.pp_mesh.get_group() if self.pp_mesh else None)
         lr = self.scheduler.get_last_lr()[0]
         if math.isfinite(loss_value):
             self.optimizer.step()
@@ -631,21 +713,42 @@ class Trainer:
         """The mean loss (and perplexity) on ``eval.steps`` fixed held-out batches, each
         data-parallel rank on its own part of each batch; the same batches every time."""
         e = self.spec.eval
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         total = torch.zeros((), device=self.device)
         try:
             for k in range(e.steps):
                 x, y = self.eval_data.batch(k, self.dp_rank, self.dp_size, e.data.global_batch, e.data.seq_len)
                 x, y = x.to(self.device), y.to(self.device)
+                if self.pipeline is not None:
+                    total += self._pipeline_eval_loss(x, y)
+                    continue
                 with self._attention(x):
                     total += self._micro_batch_loss(x, y)
         finally:
-            self.model.train()
+            for part in self.model_parts:
+                part.train()
         if self.world > 1:  # each dp rank holds its part's loss (tp ranks the same value): the mean
             dist.all_reduce(total)
-            total /= self.world
+            total /= self._loss_holders
         val_loss = float(total) / e.steps
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    def _pipeline_eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of ``x, y`` through the pipeline's forwards (on the last stage; zero on
+        the others): its micro-batches' losses weighted by their rows, as the batch need not
+        split evenly into them."""
+        losses: list[torch.Tensor] = []
+        self.pipeline.eval(x, target=y, losses=losses)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        rows = [len(part) for part in torch.tensor_split(x, len(losses))]
+        return sum(loss * n for loss, n in zip(losses, rows, strict=True) if n) / x.shape[0]
+
+    @property
+    def _loss_holders(self) -> int:
+        """Ranks that compute the loss: all of them, or with pipeline parallelism the last stage's."""
+        return self.world // self.parallel_dims.pp
 
     # ---- metrics ------------------------------------------------------------------------------
     def _report_earlier_steps(self, reported_up_to: int) -> None:

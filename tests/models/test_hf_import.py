@@ -65,7 +65,7 @@ def _fsdp_import(path, expected):
 
     mesh = __import__("hpservice.dtensor", fromlist=["init_device_mesh"]).init_device_mesh("cpu", (dist.get_world_size(),))
     model = _ours(path, device="meta")  # the full model never exists on a rank
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.init_weights()  # the rotary table on the device (parameters are overwritten below)

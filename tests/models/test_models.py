@@ -73,8 +73,8 @@ def test_tiny_llama_forward_shape():
     logits = model(_tokens(batch=3, seq=20))
     assert logits.shape == (3, 20, cfg.vocab_size)
     assert torch.isfinite(logits).all()
-    assert isinstance(model.layers, torch.nn.ModuleList) and len(model.layers) == cfg.n_layers
-    assert model.blocks() is model.layers
+    assert isinstance(model.layers, torch.nn.ModuleDict) and list(model.layers) == [str(i) for i in range(cfg.n_layers)]
+    assert model.blocks() == list(model.layers.values())
     # Initial logits are unit scale: the loss starts near ln(vocab).
     loss = F.cross_entropy(logits.flatten(0, 1), _tokens(batch=3, seq=20, seed=1).flatten())
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 1.5
@@ -97,7 +97,7 @@ def test_llama_gqa(n_kv_heads):
     torch.manual_seed(0)
     model = build_model("llama", "tiny", {"n_heads": 4, "n_kv_heads": n_kv_heads})
     head_dim = model.cfg.head_dim
-    assert model.layers[0].attention.wk.weight.shape == (n_kv_heads * head_dim, model.cfg.dim)
+    assert model.layers["0"].attention.wk.weight.shape == (n_kv_heads * head_dim, model.cfg.dim)
     logits = model(_tokens())
     assert logits.shape == (2, 16, 256) and torch.isfinite(logits).all()
 
@@ -210,7 +210,7 @@ def test_registry_meta_device():
 def test_big_flavors_on_meta(flavor, expected, hidden):
     model = build_model("llama", flavor, device="meta")
     assert model.cfg.ffn_hidden_dim == hidden
-    assert model.layers[0].feed_forward.w1.weight.shape == (hidden, model.cfg.dim)
+    assert model.layers["0"].feed_forward.w1.weight.shape == (hidden, model.cfg.dim)
     n = num_params(model)
     assert abs(n - expected) / expected < 0.05, n
     assert (model.output.weight is model.tok_embeddings.weight) == (flavor == "1B")

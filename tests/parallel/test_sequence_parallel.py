@@ -402,7 +402,7 @@ def _llama_vs_single(seq_len, sequence_parallel, vocab_parallel_embedding):
     ref_loss.backward()
 
     streams = []  # what flows between the blocks
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.register_forward_hook(lambda _m, _i, out: streams.append(out))
     from unittest import mock
 

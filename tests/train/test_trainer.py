@@ -274,7 +274,7 @@ def test_activation_checkpointing_recomputes_the_chosen_blocks(ac, calls):
     model = Llama(LlamaConfig(n_layers=4))
     apply_activation_checkpointing(model, parse_job({"name": "x", "training": ac}))
     counts = [0] * 4
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers.values()):
         block.attention_norm.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
     model(torch.randint(0, 256, (2, 16))).sum().backward()
     assert counts == calls

@@ -4,9 +4,9 @@ Built: the schedules as pure, inspectable per-rank action lists (``compute_order
 interleaved 1F1B, zero-bubble), their transfers (``with_communication``) and a simulator that
 proves each runs and times its bubble (``simulate``); and the runtime that executes them on real
 ranks, ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
-``ScheduleInterleavedZeroBubble`` and torch's ``step(*args, target=, losses=)``. Not built yet:
-splitting the built-in models into stages and ``parallelism.pp`` in the job spec
-(``docs/pipeline.md``).
+``ScheduleInterleavedZeroBubble`` and torch's ``step(*args, target=, losses=)`` (and ``eval``);
+splitting a model into stages by its blocks (``split_model``), which the trainer runs for
+``parallelism.pp`` (``docs/pipeline.md``).
 """
 
 from ._actions import Action, ComputationType
@@ -19,6 +19,7 @@ from ._runtime import (
     ScheduleInterleavedZeroBubble,
 )
 from ._simulate import ScheduleError, Timeline, simulate, with_communication
+from ._split import split_layers, split_model
 
 __all__ = [
     "SCHEDULES",
@@ -33,6 +34,8 @@ __all__ = [
     "Timeline",
     "compute_order",
     "simulate",
+    "split_layers",
+    "split_model",
     "stage_rank",
     "with_communication",
 ]

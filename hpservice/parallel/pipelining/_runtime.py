@@ -21,6 +21,8 @@ micro-batch's backward (``set_requires_gradient_sync``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -94,6 +96,7 @@ class _Schedule:
         order = compute_order(self._name, self.pp, n_microbatches, virtual)
         self.program = with_communication(order, self.pp)[rank]
         self.by_index = {s.stage_index: s for s in self.stages}
+        self._eval_program: list[Action] | None = None
         # per stage, the micro-batch whose backward (or weight gradient) runs last: fully_shard syncs there
         self._last_backward = {a.stage: a.microbatch for a in self.program if a.kind in (B, W)}
 
@@ -101,6 +104,28 @@ class _Schedule:
         """One step over ``n_microbatches`` slices (dim 0) of ``args`` (used by stage 0) and
         ``target`` (used by the last stage, with ``loss_fn``); the last stage appends each
         micro-batch's loss to ``losses``. Returns the last stage's outputs, concatenated."""
+        split = any(a.kind is W for a in self.program)
+        with _gathered([s.submod for s in self.stages]) if split else contextlib.nullcontext():
+            out = self._execute(self.program, args, target, losses)
+        if self.scale_grads:
+            for stage in self.stages:
+                for p in stage.submod.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.n_microbatches)
+        return out
+
+    @torch.no_grad()
+    def eval(self, *args, target=None, losses: list | None = None):
+        """Forwards only, without autograd (torch's ``eval``): the same micro-batches, losses and
+        outputs as ``step``, no gradients. Each rank runs its stages in order, every micro-batch
+        through one before the next (a stage only waits for a lower one: no deadlock)."""
+        if self._eval_program is None:
+            rank, m = dist.get_rank(self.group), self.n_microbatches
+            order = {r: [Action(s, F, i) for s in range(r, self.num_stages, self.pp) for i in range(m)] for r in range(self.pp)}
+            self._eval_program = with_communication(order, self.pp)[rank]
+        return self._execute(self._eval_program, args, target, losses)
+
+    def _execute(self, program: list[Action], args, target, losses: list | None):
         m = self.n_microbatches
         inputs = [torch.tensor_split(a, m) for a in args] if args else None
         targets = torch.tensor_split(target, m) if target is not None else None
@@ -108,15 +133,10 @@ class _Schedule:
         self._losses: dict[int, torch.Tensor] = {}
         pending: list = []  # sends in flight, with their tensors
         outputs: dict[int, torch.Tensor] = {}
-        for action in self.program:
+        for action in program:
             self._run(action, state, pending, inputs, targets, outputs)
         for work in pending:
             work.wait()
-        if self.scale_grads:
-            for stage in self.stages:
-                for p in stage.submod.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(m)
         if losses is not None and self._losses:
             losses.extend(self._losses[i] for i in range(m))
         return torch.cat([outputs[i] for i in range(m)]) if outputs else None
@@ -160,12 +180,10 @@ class _Schedule:
         stage = self.by_index[s]
         if a.kind in (B, W):
             self._sync_grads(stage, i == self._last_backward[s])
-        if a.kind is W:
+        if a.kind is W:  # into .grad, as a backward would (fully_shard's hooks reduce from there)
             roots, grads = state.pop(("w", s, i))
-            params = [p for p in stage.submod.parameters() if p.requires_grad]
-            for p, g in zip(params, torch.autograd.grad(roots, params, grads, allow_unused=True), strict=True):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
+            params = [p for p in stage.submod.parameters() if p.requires_grad]  # unsharded: see _gathered
+            torch.autograd.backward(roots, grads, inputs=params)
             return
         if stage.is_last:
             roots, grads = [state.pop(("loss", s, i)) if a.kind is B else state[("loss", s, i)]], None
@@ -177,7 +195,9 @@ class _Schedule:
         x = state.pop(("in", s, i))
         needs = [t for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
         if a.kind is B:
-            torch.autograd.backward(roots, grads, inputs=[*needs, *(p for p in stage.submod.parameters() if p.requires_grad)])
+            # no inputs=: fully_shard's gradients flow through its unsharded parameters (its hooks
+            # reduce them into the sharded ones), which a list of the module's parameters would skip
+            torch.autograd.backward(roots, grads)
             input_grads = [t.grad for t in needs]
         else:  # I: the input's gradient now, the weights' at W (the graph is kept for it)
             input_grads = list(torch.autograd.grad(roots, needs, grads, retain_graph=True)) if needs else []
@@ -213,6 +233,32 @@ class _Schedule:
         out = torch.empty(header[2 : 2 + ndim].tolist(), dtype=_DTYPES[int(header[0])])
         dist.recv(out, peer, group=self.group, tag=2 * tag + 1)
         return out
+
+
+@contextlib.contextmanager
+def _gathered(modules: list[nn.Module]):
+    """hpservice's fully_shard modules keep their parameters gathered (no reshard after forward
+    or backward) for a step that splits backward into ``I`` and ``W``, then reshard: ``W`` runs
+    after other micro-batches' forwards and input gradients, and differentiates with respect to
+    the unsharded parameters those used, which must still be the ones registered (and their
+    storage alive) by then. The price is the stage's unsharded parameters for the whole step."""
+    states = [s for m in modules if hasattr(m, "_fsdp_states") for s in m._fsdp_states(recurse=True)]
+    saved = [(s._reshard_after_forward, s.group and s.group.reshard_after_backward) for s in states]
+    for m in modules:
+        if hasattr(m, "_fsdp_states"):
+            m.set_reshard_after_forward(False)
+            m.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        for s, (after_forward, after_backward) in zip(states, saved, strict=True):
+            s._reshard_after_forward = after_forward
+            if s.group is not None:
+                s.group.reshard_after_forward, s.group.reshard_after_backward = after_forward, after_backward
+        for m in modules:  # every fully_shard module inside (FSDPModule.reshard is this module's alone)
+            for inner in m.modules():
+                if hasattr(inner, "_fsdp_state"):
+                    inner.reshard()
 
 
 class _Sends:
