@@ -1,7 +1,8 @@
 """``python -m hpservice.bench plan``: the numbers that matter past this machine, on paper.
 
 For a Llama flavor on ``--gpus`` GPUs (``--gpus-per-node`` each node) under a layout
-(``--tp``, ``--cp``, ``--dp-shard``; ``dp_replicate`` is the rest), it computes per rank:
+(``--pp``, ``--tp``, ``--cp``, ``--dp-shard``; ``dp_replicate`` is the rest), it computes per rank
+(with pipeline parallelism, for pp rank 0: the first stage, which holds the most micro-batches):
 
 - **memory**: the sharded fp32 parameters, gradients and AdamW's two moments as fully_shard lays
   them out (each parameter's dim 0 split in ``ceil(n / (dp_shard x cp))`` rows: fully_shard shards
@@ -21,7 +22,17 @@ For a Llama flavor on ``--gpus`` GPUs (``--gpus-per-node`` each node) under a la
   take at the link they run on (inside a node: ``--nvlink-gbs``; across nodes: ``--ib-gbs``);
 - **checkpoint**: the bytes each rank writes (parameters and optimizer state, replicas written
   once) and the time at ``--storage-gbs`` per rank;
-- the largest HSDP shard group that keeps the all-gathers inside a node (``gpus_per_node / tp``).
+- the largest HSDP shard group that keeps the all-gathers inside a node (``gpus_per_node / tp``);
+- **pipeline** (``--pp``, ``--pp-schedule``, ``--pp-microbatches``, ``--pp-virtual-stages``): the
+  stage's parameters only (its blocks, the embedding on the first stage, the norm and head on the
+  last: ``pipelining.split_layers``); the schedule simulated (``pipelining.simulate``, a backward
+  costing two forwards) for its bubble and the most micro-batches each pp rank holds at once,
+  which times one micro-batch's activations of a stage is each stage's activation memory; the
+  point-to-point bytes each rank sends a step (every micro-batch's activations forward and their
+  gradients back, at each stage boundary the rank owns) and their time on the link between
+  neighbouring stages (``gpus / pp`` ranks apart: across nodes once that is a node or more);
+  fully_shard's all-gathers repeat per micro-batch (a resharded block is gathered again in each
+  forward and backward; a zero-bubble step keeps them gathered).
 
 The layout and byte counts are exact for hpservice's fully_shard (``tests/bench/test_bench_plan.py``
 checks them against the tiny Llama on 4 CPU ranks: the tracked bytes of every rank's shards and
@@ -58,10 +69,12 @@ class Layout:
     tp: int
     dp_shard: int
     cp: int = 1
+    pp: int = 1
+    pp_virtual_stages: int = 1
 
     @property
     def dp_replicate(self) -> int:
-        return self.gpus // (self.tp * self.dp_shard * self.cp)
+        return self.gpus // (self.pp * self.tp * self.dp_shard * self.cp)
 
     @property
     def fsdp_shards(self) -> int:
@@ -69,9 +82,9 @@ class Layout:
         return self.dp_shard * self.cp
 
     def check(self) -> None:
-        inner = self.tp * self.dp_shard * self.cp
+        inner = self.pp * self.tp * self.dp_shard * self.cp
         if self.gpus % inner:
-            raise SystemExit(f"plan: --gpus {self.gpus} is not divisible by tp x dp_shard x cp = {inner}")
+            raise SystemExit(f"plan: --gpus {self.gpus} is not divisible by pp x tp x dp_shard x cp = {inner}")
 
 
 @dataclass(frozen=True)
@@ -81,15 +94,23 @@ class Links:
     storage_gbs: float  # GB/s of checkpoint writes per rank
 
 
-def parameter_shapes(config: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every parameter of the model (a tied head once), built on the meta device."""
+def parameter_shapes(config: LlamaConfig, layout: Layout | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of the model (a tied head once), built on the meta device; with a
+    pipelined ``layout``, only those of pp rank 0's stages."""
     import torch
 
     from hpservice.models.llama import Llama
+    from hpservice.parallel.pipelining import split_model
 
     with torch.device("meta"):
         model = Llama(config)
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    parts = [model]
+    if layout is not None and layout.pp > 1:
+        try:
+            parts = [part for _, part in split_model(model, 0, layout.pp, layout.pp_virtual_stages)]
+        except ValueError as e:
+            raise SystemExit(f"plan: {e}") from e
+    return [(name, tuple(p.shape)) for part in parts for name, p in part.named_parameters()]
 
 
 def unit_of(name: str) -> str:
@@ -117,7 +138,7 @@ def shard_layout(config: LlamaConfig, layout: Layout, rank: int = 0) -> dict[str
     ``local`` (its real elements: what AdamW keeps state for) and ``unsharded`` (the padded
     gathered size, ``dp_shard x cp`` x padded: the all-gather output)."""
     units: dict[str, dict[str, int]] = {}
-    for name, shape in parameter_shapes(config):
+    for name, shape in parameter_shapes(config, layout):
         local_shape = _tp_local(name, shape, layout.tp)
         rest = math.prod(local_shape[1:])
         padded_rows, real_rows = _rows(local_shape[0], layout.fsdp_shards, rank)
@@ -157,9 +178,15 @@ def plan(
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
     device: str = "cuda",
+    pp_schedule: str = "1f1b",
+    pp_microbatches: int | None = None,
 ) -> dict:
-    """Everything the module doc lists, for rank 0 (the rank with the largest shards)."""
+    """Everything the module doc lists, for rank 0 (the rank with the largest shards; with pp,
+    the first stage's). ``micro_batch``: sequences per rank per micro-batch; with pp, a step
+    runs ``pp_microbatches`` (default pp) of them through the stages."""
     layout.check()
+    pipeline = _pipeline(config, layout, pp_schedule, pp_microbatches) if layout.pp > 1 else None
+    m = pipeline["microbatches"] if pipeline else 1
     units = shard_layout(config, layout)
     blocks = [u for u in units if u != "root"]
     fp32 = 4
@@ -176,10 +203,17 @@ def plan(
     tokens = seq_len * micro_batch // layout.cp  # this rank's part of its sequences
     block_acts = block_activation_elements(config, tokens, layout.tp)
     act_bytes = param_bytes
-    if activation_checkpointing:  # each block keeps its input; one block's activations while it recomputes
-        activations = config.n_layers * tokens * config.dim * act_bytes + block_acts * act_bytes
-    else:
-        activations = config.n_layers * block_acts * act_bytes
+    def stage_activations(n_blocks: int) -> int:  # one micro-batch's, through n_blocks blocks
+        if activation_checkpointing:  # each block keeps its input; one block's activations while it recomputes
+            return n_blocks * tokens * config.dim * act_bytes + block_acts * act_bytes
+        return n_blocks * block_acts * act_bytes
+
+    if pipeline is None:
+        activations = stage_activations(len(blocks))
+    else:  # the most micro-batches a rank holds at once, each through one of its stages
+        per_rank = {r: pipeline["peak_microbatches"][r] * stage_activations(n) for r, n in pipeline["stage_blocks"].items()}
+        pipeline["activation_bytes"] = per_rank
+        activations = per_rank[0]
     memory = {
         "params": padded * fp32,  # flat_shard: fp32 shards, padded
         "grads": padded * fp32,  # grad_flat
@@ -192,7 +226,8 @@ def plan(
         "unsharded_params": working * param_bytes,
         "unsharded_grads": working * param_bytes,
         "activations": activations,
-        "logits": 2 * tokens * math.ceil(config.vocab_size / layout.tp) * fp32,  # fp32 logits and their gradient
+        # fp32 logits and their gradient (with pp on the last stage: not rank 0's)
+        "logits": 0 if pipeline else 2 * tokens * math.ceil(config.vocab_size / layout.tp) * fp32,
     }
     memory["total"] = sum(memory.values())
 
@@ -201,9 +236,15 @@ def plan(
     kv_elements = seq_len * micro_batch * 2 * config.n_kv_heads * config.head_dim // layout.tp  # K and V
     regathered = blocks[:-1] if reshard_after_forward else []  # the last block and the root keep theirs
     gathered = unsharded * param_bytes
+    # every micro-batch gathers the units in its forward and the resharded blocks again in its
+    # backward; a zero-bubble step keeps them gathered from the first forward to its end
+    per_micro = gathered + sum(units[u]["unsharded"] for u in regathered) * param_bytes
+    all_gathers = gathered if pipeline and pp_schedule == "zero_bubble" else m * per_micro
+    stage_ranks = layout.gpus // layout.pp  # one stage's ranks (the whole world without pp)
+    ends = 2 if pipeline is None else 1  # the embedding (first stage) and the head (last) that rank 0 holds
     collectives = {
         "fsdp_all_gather": {
-            "bytes": gathered + sum(units[u]["unsharded"] for u in regathered) * param_bytes,
+            "bytes": all_gathers,
             "group": layout.fsdp_shards,
             "link": "nvlink" if inside else "ib",
             "kind": "all_gather",
@@ -217,13 +258,13 @@ def plan(
         "hsdp_all_reduce": {
             "bytes": padded * reduce_bytes,
             "group": layout.dp_replicate,
-            "link": "nvlink" if layout.gpus <= layout.gpus_per_node else "ib",
+            "link": "nvlink" if stage_ranks <= layout.gpus_per_node else "ib",
             "kind": "all_reduce",
         },
         # per block 2 forward + 2 backward all-reduces of the residual stream, and one each for
-        # the embedding (forward) and the head's input gradient (backward)
+        # the embedding (forward) and the head's input gradient (backward); per micro-batch
         "tp_all_reduce": {
-            "bytes": (4 * config.n_layers + 2) * tokens * config.dim * act_bytes,
+            "bytes": m * (4 * len(blocks) + ends) * tokens * config.dim * act_bytes,
             "group": layout.tp,
             "link": "nvlink" if layout.tp <= layout.gpus_per_node else "ib",
             "kind": "all_reduce",
@@ -231,7 +272,7 @@ def plan(
         # per block: the whole sequence's keys and values gathered around the ring in forward and
         # again in backward, their gradients reduce-scattered back (each sends (cp-1)/cp of it)
         "cp_kv_exchange": {
-            "bytes": 3 * config.n_layers * kv_elements * act_bytes,
+            "bytes": m * 3 * len(blocks) * kv_elements * act_bytes,
             "group": layout.cp,
             "link": "nvlink" if layout.cp * layout.tp <= layout.gpus_per_node else "ib",
             "kind": "all_gather",
@@ -243,6 +284,12 @@ def plan(
         c["sent_bytes"] = _ring(c["kind"], c["group"], c["bytes"])
         bandwidth = links.nvlink_gbs if c["link"] == "nvlink" else links.ib_gbs
         c["seconds"] = c["sent_bytes"] / (bandwidth * 1e9)
+    if pipeline is not None:  # activations forward, their gradients back, at each boundary rank 0 owns
+        boundary = tokens * config.dim * act_bytes
+        p2p = pipeline["sends_per_microbatch"] * m * boundary
+        link = "nvlink" if stage_ranks < layout.gpus_per_node else "ib"
+        bandwidth = links.nvlink_gbs if link == "nvlink" else links.ib_gbs
+        pipeline["p2p"] = {"bytes": p2p, "link": link, "seconds": p2p / (bandwidth * 1e9)}
     checkpoint_bytes = (local * fp32 + 2 * local * fp32) / layout.dp_replicate  # replicas write their shard once
     return {
         "model": {"params": sum(math.prod(s) for _, s in parameter_shapes(config)), "n_layers": config.n_layers},
@@ -250,7 +297,8 @@ def plan(
         "links": asdict(links),
         "memory_bytes": memory,
         "collectives": collectives,
-        "comm_seconds_per_step": sum(c["seconds"] for c in collectives.values()),
+        "comm_seconds_per_step": sum(c["seconds"] for c in collectives.values()) + (pipeline["p2p"]["seconds"] if pipeline else 0),
+        "pipeline": pipeline,
         "checkpoint": {
             "bytes_per_rank": checkpoint_bytes,
             "total_bytes": sum(math.prod(s) for _, s in parameter_shapes(config)) * 3 * fp32,
@@ -258,6 +306,31 @@ def plan(
         },
         "node_local_shard_size": max(1, layout.gpus_per_node // layout.tp),
         "shard_group_inside_node": inside,
+    }
+
+
+def _pipeline(config: LlamaConfig, layout: Layout, schedule: str, microbatches: int | None) -> dict:
+    """The schedule simulated (a backward costs two forwards): its bubble, the most micro-batches
+    each pp rank holds, each rank's blocks per stage, rank 0's sends per micro-batch."""
+    from hpservice.parallel.pipelining import compute_order, simulate, split_layers, stage_rank, with_communication
+
+    pp, v = layout.pp, layout.pp_virtual_stages
+    m = microbatches or pp
+    try:
+        bounds = split_layers(config.n_layers, pp * v)
+        timeline = simulate(with_communication(compute_order(schedule, pp, m, v), pp), pp)
+    except ValueError as e:
+        raise SystemExit(f"plan: {e}") from e
+    stages = {r: [s for s in range(pp * v) if stage_rank(s, pp) == r] for r in range(pp)}
+    return {
+        "schedule": schedule,
+        "microbatches": m,
+        "virtual_stages": v,
+        "bubble": timeline.bubble,
+        "peak_microbatches": dict(timeline.peak_activations),
+        # a rank's largest stage: what one micro-batch held there keeps
+        "stage_blocks": {r: max(len(bounds[s]) for s in ss) for r, ss in stages.items()},
+        "sends_per_microbatch": sum((s < pp * v - 1) + (s > 0) for s in stages[0]),
     }
 
 
@@ -269,7 +342,9 @@ def report(result: dict) -> str:
     lay, mem = result["layout"], result["memory_bytes"]
     lines = [
         f"model: {result['model']['params'] / 1e9:.2f}B parameters, {result['model']['n_layers']} blocks",
-        f"layout: {lay['gpus']} GPUs ({lay['gpus_per_node']} per node) = dp_replicate {lay['dp_replicate']} x "
+        f"layout: {lay['gpus']} GPUs ({lay['gpus_per_node']} per node) = "
+        + (f"pp {lay['pp']} x " if lay["pp"] > 1 else "")
+        + f"dp_replicate {lay['dp_replicate']} x "
         f"dp_shard {lay['dp_shard']} x cp {lay['cp']} x tp {lay['tp']}; shard group {lay['shard_group']} ranks "
         f"({'inside a node' if result['shard_group_inside_node'] else 'SPANS NODES'}); the largest HSDP shard "
         f"group inside a node: dp_shard x cp {result['node_local_shard_size']}",
@@ -283,6 +358,18 @@ def report(result: dict) -> str:
             f"{c['group']} ranks on {c['link']}: {c['seconds'] * 1e3:,.1f} ms"
         )
     lines.append(f"  total communication {result['comm_seconds_per_step'] * 1e3:,.1f} ms per step (if none overlaps)")
+    pipe = result["pipeline"]
+    if pipe is not None:
+        p2p = pipe["p2p"]
+        lines += [
+            f"pipeline: {lay['pp']} stages x {pipe['virtual_stages']} per rank, {pipe['schedule']}, "
+            f"{pipe['microbatches']} micro-batches: bubble {pipe['bubble']:.1%} of the step",
+            f"  point-to-point {_gib(p2p['bytes'])} sent on {p2p['link']}: {p2p['seconds'] * 1e3:,.1f} ms",
+            "  activations per pp rank (micro-batches held at once): "
+            + ", ".join(
+                f"{r}: {_gib(b)} ({pipe['peak_microbatches'][r]})" for r, b in pipe["activation_bytes"].items()
+            ),
+        ]
     ck = result["checkpoint"]
     lines.append(
         f"checkpoint: {_gib(ck['total_bytes'])} in all, {_gib(ck['bytes_per_rank'])} per rank, "
@@ -298,6 +385,10 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1, help="context parallelism: ranks each sequence is split over")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallelism: stages (the outermost dim)")
+    p.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    p.add_argument("--pp-microbatches", type=int, default=None, help="micro-batches per step (default pp)")
+    p.add_argument("--pp-virtual-stages", type=int, default=1, help="stages per rank (interleaved_1f1b)")
     p.add_argument("--dp-shard", type=int, default=None, help="default: gpus_per_node / (tp x cp) (HSDP inside a node)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
@@ -312,16 +403,19 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    dp_shard = args.dp_shard or max(1, min(args.gpus, args.gpus_per_node) // (args.tp * args.cp))
+    stage_ranks = args.gpus // args.pp
+    dp_shard = args.dp_shard or max(1, min(stage_ranks, args.gpus_per_node) // (args.tp * args.cp))
     result = plan(
         LLAMA_FLAVORS[args.model],
-        Layout(args.gpus, args.gpus_per_node, args.tp, dp_shard, args.cp),
+        Layout(args.gpus, args.gpus_per_node, args.tp, dp_shard, args.cp, args.pp, args.pp_virtual_stages),
         Links(args.nvlink_gbs, args.ib_gbs, args.storage_gbs),
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         param_bytes=args.param_bytes,
         activation_checkpointing=args.ac == "full",
         device=args.device,
+        pp_schedule=args.pp_schedule,
+        pp_microbatches=args.pp_microbatches,
     )
     print(json.dumps(result, indent=1) if args.json else report(result))
     return 0

@@ -99,8 +99,10 @@ def test_bench_plan_prints_the_8b_layout_and_json():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["layout"] == {
-        "gpus": 64, "gpus_per_node": 8, "tp": 1, "dp_shard": 8, "cp": 1, "dp_replicate": 8, "shard_group": 8,
+        "gpus": 64, "gpus_per_node": 8, "tp": 1, "dp_shard": 8, "cp": 1, "pp": 1, "pp_virtual_stages": 1,
+        "dp_replicate": 8, "shard_group": 8,
     }  # fmt: skip
+    assert result["pipeline"] is None
     assert 8.0e9 < result["model"]["params"] < 8.1e9 and result["shard_group_inside_node"]
     assert result["collectives"]["fsdp_all_gather"]["link"] == "nvlink"
     assert result["collectives"]["hsdp_all_reduce"]["link"] == "ib"
@@ -125,3 +127,30 @@ def test_context_parallelism_shards_parameters_over_dp_shard_x_cp_and_splits_act
     assert ring["link"] == "nvlink" and whole["collectives"]["cp_kv_exchange"]["bytes"] == 0
     with pytest.raises(SystemExit, match="not divisible by 2 x cp"):
         plan(config, Layout(gpus=8, gpus_per_node=8, tp=1, dp_shard=2, cp=4), LINKS, seq_len=100, micro_batch=1)
+
+
+def test_pipeline_parallelism_plans_the_first_stage_its_bubble_and_its_transfers():
+    """pp 4 x 1F1B over 8 micro-batches: rank 0 holds the first quarter of the blocks and the
+    embedding, the simulated bubble is the closed form (pp - 1) / (m + pp - 1), rank r holds
+    pp - r micro-batches' activations, and rank 0 sends each micro-batch's activations once."""
+    config = LLAMA_FLAVORS["8B"]
+    whole = plan(config, Layout(gpus=8, gpus_per_node=8, tp=1, dp_shard=8), LINKS, seq_len=8192, micro_batch=1)
+    layout = Layout(gpus=32, gpus_per_node=8, tp=1, dp_shard=8, pp=4)
+    piped = plan(config, layout, LINKS, seq_len=8192, micro_batch=1, pp_microbatches=8)
+    pipe = piped["pipeline"]
+    assert pipe["bubble"] == pytest.approx(3 / 11)
+    assert pipe["peak_microbatches"] == {0: 4, 1: 3, 2: 2, 3: 1}
+    one_micro_batch_of_a_stage = whole["memory_bytes"]["activations"] / 4  # 8 of the 32 blocks
+    assert pipe["activation_bytes"] == {r: n * one_micro_batch_of_a_stage for r, n in pipe["peak_microbatches"].items()}
+    assert pipe["p2p"]["bytes"] == 8 * 8192 * config.dim * 2 and pipe["p2p"]["link"] == "ib"  # stages 8 ranks apart
+    per_block = config.dim * (2 * config.dim + 2 * config.n_kv_heads * config.head_dim + 3 * config.ffn_hidden_dim + 2)
+    stage0 = 8 * per_block + config.vocab_size * config.dim  # 8 blocks and the embedding, over dp_shard 8
+    assert piped["memory_bytes"]["optimizer"] == 2 * 4 * stage0 / 8
+    assert piped["layout"]["dp_replicate"] == 1 and piped["memory_bytes"]["logits"] == 0
+    interleaved = plan(
+        config, Layout(32, 8, 1, 8, pp=4, pp_virtual_stages=2), LINKS, seq_len=8192, micro_batch=1,
+        pp_schedule="interleaved_1f1b", pp_microbatches=8,
+    )["pipeline"]  # fmt: skip
+    assert interleaved["bubble"] < pipe["bubble"] and interleaved["p2p"]["bytes"] == 3 * pipe["p2p"]["bytes"]
+    with pytest.raises(SystemExit, match="micro-batches \\(2\\) must be >= pp \\(4\\)"):
+        plan(config, layout, LINKS, seq_len=8192, micro_batch=1, pp_microbatches=2)
