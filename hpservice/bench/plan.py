@@ -25,18 +25,21 @@ For a Llama flavor on ``--gpus`` GPUs (``--gpus-per-node`` each node) under a la
 - the largest HSDP shard group that keeps the all-gathers inside a node (``gpus_per_node / tp``);
 - **pipeline** (``--pp``, ``--pp-schedule``, ``--pp-microbatches``, ``--pp-virtual-stages``): the
   stage's parameters only (its blocks, the embedding on the first stage, the norm and head on the
-  last: ``pipelining.split_layers``); the schedule simulated (``pipelining.simulate``, a backward
-  costing two forwards) for its bubble and the most micro-batches each pp rank holds at once,
+  last: ``pipelining.split_layers``), all of them unsharded with their gradients from the first
+  backward to the last (a stage reshards and reduce-scatters after its last micro-batch); the
+  schedule simulated (``pipelining.simulate``, a backward costing two forwards) for its bubble and the most micro-batches each pp rank holds at once,
   which times one micro-batch's activations of a stage is each stage's activation memory; the
   point-to-point bytes each rank sends a step (every micro-batch's activations forward and their
   gradients back, at each stage boundary the rank owns) and their time on the link between
   neighbouring stages (``gpus / pp`` ranks apart: across nodes once that is a node or more);
-  fully_shard's all-gathers repeat per micro-batch (a resharded block is gathered again in each
-  forward and backward; a zero-bubble step keeps them gathered).
+  fully_shard gathers the blocks it reshards after forward again in each micro-batch's forward and
+  backward (``reshard_after_forward: false`` avoids that, as torchtitan does under pp; a
+  zero-bubble step keeps them gathered).
 
 The layout and byte counts are exact for hpservice's fully_shard (``tests/bench/test_bench_plan.py``
 checks them against the tiny Llama on 4 CPU ranks: the tracked bytes of every rank's shards and
-the bytes handed to each collective); link times assume the stated bandwidth is reached.
+the bytes handed to each collective; the pipeline's numbers are the simulated schedule and
+arithmetic, not measured); link times assume the stated bandwidth is reached.
 """
 
 from __future__ import annotations
@@ -185,8 +188,6 @@ def plan(
     the first stage's). ``micro_batch``: sequences per rank per micro-batch; with pp, a step
     runs ``pp_microbatches`` (default pp) of them through the stages."""
     layout.check()
-    pipeline = _pipeline(config, layout, pp_schedule, pp_microbatches) if layout.pp > 1 else None
-    m = pipeline["microbatches"] if pipeline else 1
     units = shard_layout(config, layout)
     blocks = [u for u in units if u != "root"]
     fp32 = 4
@@ -197,6 +198,10 @@ def plan(
     # backward) and two blocks (the current one and the prefetched one)
     largest_block = max((units[u]["unsharded"] for u in blocks), default=0)
     working = units["root"]["unsharded"] + 2 * largest_block
+    pipeline = _pipeline(config, layout, pp_schedule, pp_microbatches) if layout.pp > 1 else None
+    m = pipeline["microbatches"] if pipeline else 1
+    if pipeline is not None:  # a stage reshards and reduces after its last backward: all of it gathered till then
+        working = unsharded
     two_largest = sum(sorted((u["unsharded"] for u in units.values()), reverse=True)[:2])
     if seq_len % (2 * layout.cp):
         raise SystemExit(f"plan: --seq-len {seq_len} is not divisible by 2 x cp = {2 * layout.cp} (load balancing)")
@@ -236,10 +241,11 @@ def plan(
     kv_elements = seq_len * micro_batch * 2 * config.n_kv_heads * config.head_dim // layout.tp  # K and V
     regathered = blocks[:-1] if reshard_after_forward else []  # the last block and the root keep theirs
     gathered = unsharded * param_bytes
-    # every micro-batch gathers the units in its forward and the resharded blocks again in its
-    # backward; a zero-bubble step keeps them gathered from the first forward to its end
-    per_micro = gathered + sum(units[u]["unsharded"] for u in regathered) * param_bytes
-    all_gathers = gathered if pipeline and pp_schedule == "zero_bubble" else m * per_micro
+    # the first forward gathers every unit; the blocks resharded after forward are gathered again in
+    # each backward and each later micro-batch's forward (a pipeline stage reshards after its last
+    # backward only; a zero-bubble step keeps everything gathered from the first forward on)
+    again = sum(units[u]["unsharded"] for u in regathered) * param_bytes
+    all_gathers = gathered if pipeline and pp_schedule == "zero_bubble" else gathered + (2 * m - 1) * again
     stage_ranks = layout.gpus // layout.pp  # one stage's ranks (the whole world without pp)
     ends = 2 if pipeline is None else 1  # the embedding (first stage) and the head (last) that rank 0 holds
     collectives = {
@@ -394,6 +400,9 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--param-bytes", type=int, default=2, help="compute dtype bytes (bf16: 2)")
     p.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing")
+    p.add_argument(
+        "--reshard-after-forward", choices=("true", "false"), default="true", help="parallelism.reshard_after_forward"
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the ranks run")
     p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU inside a node (H100 NVLink: 450)")
     p.add_argument("--ib-gbs", type=float, default=50.0, help="GB/s per GPU across nodes (400 Gb/s NDR: 50)")
@@ -413,6 +422,7 @@ def run(args) -> int:
         micro_batch=args.micro_batch,
         param_bytes=args.param_bytes,
         activation_checkpointing=args.ac == "full",
+        reshard_after_forward=args.reshard_after_forward == "true",
         device=args.device,
         pp_schedule=args.pp_schedule,
         pp_microbatches=args.pp_microbatches,

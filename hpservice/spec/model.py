@@ -284,8 +284,9 @@ class ParallelismSpec(_Section):
 
     def _fixed_names(self, shard: int | None = None) -> str:
         """``dp_replicate x tp`` (and ``pp``, ``cp`` where they are set), with sizes when asked."""
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", shard), ("cp", self.cp), ("tp", self.tp)]
-        shown = [(n, s) for n, s in dims if n in ("dp_replicate", "tp") or (n == "dp_shard" and s is not None) or s > 1]
+        shard_dim = [("dp_shard", shard)] if shard is not None else []
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard_dim, ("cp", self.cp), ("tp", self.tp)]
+        shown = [(n, s) for n, s in dims if n in ("dp_replicate", "dp_shard", "tp") or s > 1]
         return " x ".join(f"{n} {s}" if shard is not None else n for n, s in shown)
 
     def resolve(self, world_size: int) -> tuple[int, int]:
@@ -533,9 +534,10 @@ class JobSpec(_Section):
 
     def resized(self, workers: int) -> JobSpec:
         """This job on ``workers`` workers (elastic resizing), with the same model and the same
-        global batch: the shard group (``dp_shard x tp``) is kept and the replicas change when
-        ``dp_shard`` is set, else ``dp_shard`` takes the rest; gradient accumulation grows by the
-        factor the data-parallel size shrinks by, so each rank's micro-batch stays the same.
+        global batch: the shard group (``dp_shard x cp x tp``) and the pipeline (``pp``) are kept
+        and the replicas change when ``dp_shard`` is set, else ``dp_shard`` takes the rest;
+        gradient accumulation grows by the factor the data-parallel size shrinks by, so each
+        rank's micro-batch stays the same (with pp: more micro-batches of the same size).
         Raises SpecError when ``workers`` cannot hold that layout."""
         if workers == self.resources.workers:
             return self
@@ -546,10 +548,13 @@ class JobSpec(_Section):
             parallelism = p
         else:
             group = p.dp_shard * p.cp * p.tp
-            replicate, rem = divmod(workers, group)
+            replicate, rem = divmod(workers, p.pp * group)
             cp = f" x cp {p.cp}" if p.cp > 1 else ""
+            stages = f" on each of pp {p.pp} stages" if p.pp > 1 else ""
             if rem or replicate < 1:
-                raise SpecError(f"{workers} workers cannot hold shard groups of dp_shard {p.dp_shard}{cp} x tp {p.tp}")
+                raise SpecError(
+                    f"{workers} workers cannot hold shard groups of dp_shard {p.dp_shard}{cp} x tp {p.tp}{stages}"
+                )
             parallelism = p.model_copy(update={"dp_replicate": replicate})
         replicate, shard = parallelism.resolve(workers)
         accum, rem = divmod(t.grad_accum * old_dp, replicate * shard)

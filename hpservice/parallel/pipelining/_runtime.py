@@ -15,8 +15,9 @@ A rank holds one stage (or ``virtual_stages`` of them, interleaved) and runs its
 
 Gradients are those of the mean of the micro-batches' losses (torch's ``scale_grads``): each
 stage's parameter gradients are divided by the number of micro-batches after the last backward.
-A stage whose module is one of hpservice's fully_shard modules syncs gradients only in the last
-micro-batch's backward (``set_requires_gradient_sync``).
+A stage whose module is one of hpservice's fully_shard modules syncs gradients and reshards only in
+the last micro-batch's backward (``set_requires_gradient_sync``, ``set_reshard_after_backward``),
+as torch's stages do with torch's fully_shard.
 """
 
 from __future__ import annotations
@@ -211,10 +212,11 @@ class _Schedule:
 
     @staticmethod
     def _sync_grads(stage: PipelineStage, last: bool) -> None:
-        """hpservice's fully_shard: reduce-scatter in the stage's last backward only."""
-        sync = getattr(stage.submod, "set_requires_gradient_sync", None)
-        if sync is not None:
-            sync(last)
+        """hpservice's fully_shard, as torch's stages drive torch's: reduce-scatter and reshard in
+        the stage's last backward only (the parameters stay gathered between micro-batches)."""
+        if hasattr(stage.submod, "set_requires_gradient_sync"):
+            stage.submod.set_requires_gradient_sync(last)
+            stage.submod.set_reshard_after_backward(last)
 
     # ---- point to point -----------------------------------------------------------------------
     def _send(self, t: torch.Tensor, to_stage: int, tag: int):
