@@ -1,10 +1,12 @@
 """Where a job's workers go: placement-group bundles that keep each shard group inside one node.
 
-Ranks are laid out as the device mesh is, ``(dp_replicate, dp_shard, tp)`` row-major, so the ranks
-of one shard group (``dp_shard x tp`` of them: the all-gathers and reduce-scatters of every
-layer, and tensor parallelism's per-op collectives) are consecutive, and only the gradient
-all-reduce of HSDP runs between groups. A group must therefore sit inside one node, while
-``dp_replicate`` may span nodes.
+Ranks are laid out as the device mesh is, ``(pp, dp_replicate, dp_shard, cp, tp)`` row-major, so
+the ranks of one shard group (``dp_shard x cp x tp`` of them: the all-gathers and reduce-scatters
+of every layer, tensor parallelism's per-op collectives, context parallelism's ring) are
+consecutive, and only the gradient all-reduce of HSDP and the pipeline's point-to-point
+activations run between groups. A group must therefore sit inside one node, while
+``dp_replicate`` and ``pp`` (the outermost dim: a stage's groups, then the next stage's) may span
+nodes.
 
 ``resources.placement``:
 
@@ -44,7 +46,7 @@ class PlacementPlan:
 
 
 def shard_group_size(spec) -> int:
-    """Ranks in one shard group: ``dp_shard x tp`` (the innermost mesh dims)."""
+    """Ranks in one shard group: ``dp_shard x cp x tp`` (the innermost mesh dims)."""
     from hpservice.parallel_dims import ParallelDims
 
     return ParallelDims.from_spec(spec.parallelism, spec.resources.workers).shard_group_size

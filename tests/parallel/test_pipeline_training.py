@@ -2,8 +2,11 @@
 the loss and gradient norm of every step and the final weights equal to single-process training,
 for every schedule, with FSDP and with tp, and a checkpoint of stages resumes at other pp sizes.
 
-Equal to 1e-5 (fp32, 20 steps): one micro-batch trains bit for bit like one process; more of them
-sum the gradient in another order, and AdamW carries the rounding (measured: at most 2e-6)."""
+Measured against one process, fp32, 20 steps: losses and gradient norms within 1e-6 (the float32
+rounding of a loss near 6), weights within 3e-6 (more micro-batches, or FSDP / tp, sum the gradient
+in another order, and AdamW carries the rounding; with one micro-batch the run is bit for bit one
+process's). Held to 2e-6 and 5e-6.
+"""
 
 import pytest
 
@@ -50,10 +53,10 @@ def _assert_same_run(ours, one) -> None:
     weights = {k: v for _, w in ours for k, v in w.items()}  # every stage's, from its first rank
     assert len(records) == len(records1) == STEPS
     for (loss, norm), (loss1, norm1) in zip(records, records1, strict=True):
-        assert loss == pytest.approx(loss1, abs=1e-5) and norm == pytest.approx(norm1, abs=1e-5), (records, records1)
+        assert loss == pytest.approx(loss1, abs=2e-6) and norm == pytest.approx(norm1, abs=2e-6), (records, records1)
     assert weights.keys() == weights1.keys()
     for k in weights1:
-        assert (weights[k] - weights1[k]).abs().max().item() < 1e-5, k
+        assert (weights[k] - weights1[k]).abs().max().item() < 5e-6, k
 
 
 @pytest.mark.parametrize(
@@ -83,6 +86,15 @@ def _losses(spec):
     return [loss for loss, _ in _train(spec)[0]]
 
 
+def _whole_model_names() -> set[str]:
+    import torch
+
+    from hpservice.models import build_model
+
+    with torch.device("meta"):
+        return set(dict(build_model("llama", "tiny", MODEL["overrides"]).named_parameters()))
+
+
 def test_a_checkpoint_of_pipeline_stages_resumes_at_other_pp_sizes(ranks, tmp_path):
     """Saved by pp 2 (each rank its stage's parameters and optimizer state, under the whole model's
     names), resumed on one process and on pp 4: steps 5-8 continue the uninterrupted run's losses."""
@@ -92,12 +104,28 @@ def test_a_checkpoint_of_pipeline_stages_resumes_at_other_pp_sizes(ranks, tmp_pa
     run = tiny_llama_job(tmp_path, **sections, parallelism={"pp": 2}, checkpoint={"interval": 4})
     full = ranks(2).run(_losses, run)[0]
     step4 = tmp_path / "ckpt" / "step-00000004"
+    from hpservice.checkpoint import CheckpointReader
+
+    assert set(CheckpointReader(step4).load_model_tensors()) == _whole_model_names()  # what an HF export reads
     for world, parallelism in ((1, {}), (4, {"pp": 4, "pp_microbatches": 4})):
         again = tiny_llama_job(
             tmp_path / f"again-{world}", **sections, parallelism=parallelism, checkpoint={"resume_from": str(step4)}
         )
         resumed = ranks(world).run(_losses, again)[world - 1]  # the last stage's rank
         assert resumed == pytest.approx(full[4:], abs=1e-5), (world, resumed, full[4:])
+
+
+def test_pipeline_stages_compile_and_train_in_bf16_like_one_process(ranks, tmp_path):
+    """training.compile (each block of each stage compiled, fullgraph) and mixed_precision bf16
+    (the stages pass bf16 activations and gradients) under pp 2, against one process
+    with the same settings (bf16: the bound the cp and tp tests hold)."""
+    from tests._jobs import tiny_llama_job
+
+    sections = {"model": MODEL, "training": {"steps": 4, "compile": True}}
+    bf16 = {"mixed_precision": "bf16"}
+    one = ranks(1).run(_losses, tiny_llama_job(tmp_path / "one", **sections, parallelism=bf16))[0]
+    pp = ranks(2).run(_losses, tiny_llama_job(tmp_path / "pp", **sections, parallelism={"pp": 2, **bf16}))[0]
+    assert pp == pytest.approx(one, abs=1e-3), (pp, one)
 
 
 def _val_losses(spec):

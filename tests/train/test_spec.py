@@ -214,6 +214,15 @@ def test_an_elastic_job_resizes_with_the_same_global_batch_and_shard_groups():
     assert fsdp.resized(1).parallelism.resolve(1) == (1, 1) and fsdp.resized(1).training.grad_accum == 4
     with pytest.raises(SpecError, match="3 workers: data-parallel size 3 does not divide 4 x grad_accum 1"):
         fsdp.resized(3)
+    piped = parse_job(
+        {"name": "e", "resources": {"workers": 8, "min_workers": 2}, "parallelism": {"pp": 2, "dp_shard": 2, "dp_replicate": 2}}
+    )
+    assert piped.elastic_sizes() == [4]  # the pipeline and its stages' shard groups stay: only replicas go
+    four = piped.resized(4)
+    assert (four.parallelism.pp, four.parallelism.dp_replicate, four.parallelism.dp_shard) == (2, 1, 2)
+    assert four.training.grad_accum == 2  # twice the micro-batches of the same size
+    with pytest.raises(SpecError, match="2 workers cannot hold shard groups of dp_shard 2 x tp 1 on each of pp 2 stages"):
+        piped.resized(2)
 
 
 def test_min_workers_is_checked_before_anything_starts():
