@@ -254,11 +254,6 @@ class ParallelismSpec(_Section):
             return self
         if self.cp > 1:
             raise ValueError("parallelism.pp > 1 with cp > 1 is not built yet; use one of them")
-        if self.sequence_parallel:
-            raise ValueError(
-                "parallelism.pp > 1 with sequence_parallel is not built yet (stages would pass sequence-sharded "
-                "DTensors); use tp without sequence_parallel"
-            )
         if self.pp_virtual_stages > 1 and self.pp_schedule != "interleaved_1f1b":
             raise ValueError(
                 f"parallelism.pp_virtual_stages {self.pp_virtual_stages}: several stages per rank need pp_schedule "

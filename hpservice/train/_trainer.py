@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from hpservice.checkpoint import CheckpointManager, CheckpointReader, step_dir_name, step_of
 from hpservice.data import build_source
-from hpservice.dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor
+from hpservice.dtensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
 from hpservice.dtensor import random as dtensor_random
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hpservice.inputs import confine, open_input
@@ -144,6 +144,19 @@ def apply_pp(model: nn.Module, pp_rank: int, spec: JobSpec) -> list[tuple[int, n
         return split_model(model, pp_rank, p.pp, p.pp_virtual_stages, p.pp_layers_per_stage)
     except ValueError as e:
         raise TrainingError(str(e)) from e
+
+
+def pass_local_shards_between_stages(model: nn.Module, tp_mesh: DeviceMesh, *, first: bool, last: bool) -> None:
+    """Sequence parallelism under pp: inside a stage the hidden states are DTensors sharded on the
+    sequence over tp (``Shard(1)``); between stages each tp rank sends its own piece to the same tp
+    rank of the next stage, a plain tensor, and the next stage wraps it again. Both conversions are
+    differentiable, so the gradients go back the same way."""
+    if not first:
+        model.register_forward_pre_hook(
+            lambda _module, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)]), *args[1:])
+        )
+    if not last:
+        model.register_forward_hook(lambda _module, _args, out: out.to_local() if isinstance(out, DTensor) else out)
 
 
 def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
@@ -358,7 +371,8 @@ class Trainer:
             )
         stages = apply_pp(model, self.parallel_dims.pp_rank, spec) if self.pp_mesh is not None else [(0, model)]
         self.fsdp = self.dp_mesh is not None
-        self.model_parts = [self._lay_out(part, frozen) for _, part in stages]
+        last = spec.parallelism.pp * spec.parallelism.pp_virtual_stages - 1
+        self.model_parts = [self._lay_out(part, frozen, first=s == 0, last=s == last) for s, part in stages]
         self._loss = torch.compile(cross_entropy_loss) if spec.training.compile else cross_entropy_loss
         self.pipeline = self._pipeline([s for s, _ in stages]) if self.pp_mesh is not None else None
         self.optimizer = build_optimizer(self.model_parts, spec)
@@ -414,13 +428,16 @@ class Trainer:
             )
         return self.model_parts[0]
 
-    def _lay_out(self, model: nn.Module, frozen: set[str]) -> nn.Module:
+    def _lay_out(self, model: nn.Module, frozen: set[str], *, first: bool = True, last: bool = True) -> nn.Module:
         """A (meta) model or stage laid out on this rank's mesh and filled: tp, activation
         checkpointing and compile, fully_shard (or tp alone: allocated as it is), then weights
-        from ``model.init_from`` or the seed; ``frozen`` parameters stop requiring gradients."""
+        from ``model.init_from`` or the seed; ``frozen`` parameters stop requiring gradients.
+        ``first`` / ``last``: whether it is the pipeline's first / last stage."""
         spec = self.spec
         if self.tp:
             apply_tp(model, self.parallel_dims.tp_mesh, spec)
+            if spec.parallelism.sequence_parallel and not (first and last):
+                pass_local_shards_between_stages(model, self.parallel_dims.tp_mesh, first=first, last=last)
         try:  # after tp, before fully_shard (torchtitan's order)
             apply_activation_checkpointing(model, spec)
             if spec.training.compile:
