@@ -58,6 +58,7 @@ from ._activation_checkpointing import apply_activation_checkpointing
 from ._compile import apply_compile, check_compile_available
 from ._errors import TrainingError
 from ._grad_norm import clip_grad_norm_
+from ._hold import wait_while_held
 from ._metrics import MetricSink, build_sinks
 from ._profile import StepProfiler
 from ._utilisation import Utilisation
@@ -606,6 +607,7 @@ class Trainer:
         saved_at = None
         try:
             while self.step < self.spec.training.steps and not self._stopping:
+                wait_while_held(self.step, self._stop)  # a drill's hold (HPSERVICE_HOLD_FILE); unset: nothing
                 record = self.train_step()
                 history.append(record)
                 if interval and (self.step % interval == 0 or self.step == self.spec.training.steps):

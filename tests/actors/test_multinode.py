@@ -22,6 +22,7 @@ from hpservice.actors import COORDINATOR_RESOURCE_ENV, JobHandle, start_job
 from hpservice.actors.placement import infeasible, plan_placement
 from hpservice.spec import CheckpointSpec, MetricsSpec
 from hpservice.train import Trainer
+from hpservice.train._hold import HOLD_FILE_ENV
 from tests._jobs import ray_job as _spec
 
 FAST_HEALTH_CHECKS = {  # a killed node is marked dead in ~5-10 s; a raylet slowed by a loaded machine is not
@@ -59,6 +60,17 @@ def _wait(predicate, what: str, timeout: float = 180, poll_s: float = 0.2):
             return value
         assert time.monotonic() < deadline, f"not {what} after {timeout} s"
         time.sleep(poll_s)
+
+
+def _hold(tmp_path: Path, monkeypatch, step: int) -> Path:
+    """Every run of the test's cluster trains to ``step``, then waits (``hpservice.train._hold``)
+    until the returned file is rewritten with a later step or removed: the fault lands between
+    two known steps, and the job need not run hundreds of steps to be surely mid-way. Set before
+    the cluster starts: its raylets, and so the workers, inherit it."""
+    hold = tmp_path / "hold"
+    hold.write_text(str(step))
+    monkeypatch.setenv(HOLD_FILE_ENV, str(hold))
+    return hold
 
 
 def _node_of(cluster, node_id: str):
@@ -132,7 +144,9 @@ def test_a_lost_node_fails_the_job_naming_it_when_no_capacity_comes_back(tmp_pat
         handle.shutdown()
 
 
-def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_the_shared_volume(ranks, tmp_path):
+def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_the_shared_volume(
+    ranks, tmp_path, monkeypatch
+):
     """The compose/KubeRay layout on this machine: the API's own directory (``api-data``, its
     store) apart from the shared volume (``shared``, standing in for the claim every pod mounts
     at one path), where ``--jobs-dir`` puts job directories. A job admitted as the API admits it
@@ -147,7 +161,8 @@ def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_
     from hpservice.api.store import Store
     from hpservice.api.supervisor import Supervisor
 
-    steps = 400
+    steps = 40
+    hold = _hold(tmp_path, monkeypatch, 7)  # the worker pod dies at step 7, after the checkpoint of step 5
     shared = tmp_path / "shared"
     settings = Settings(data_dir=tmp_path / "api-data", jobs_dir=shared / "jobs", tokens={"t-alice": Principal("alice")})
     job_id = "pod-restart-0001"
@@ -167,10 +182,11 @@ def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_
         store.create_job(job_id, spec.name, "alice", spec.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
         try:
-            _wait(lambda: store.get_job(job_id)["checkpoints"], "checkpointed")
+            _wait(lambda: (j := store.get_job(job_id))["checkpoints"] and j["step"] >= 7, "held at step 7")
             node_id = JobHandle.attach(job_id).status()["placement"][0]["node_id"]
             cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)  # the worker pod dies
             _wait(lambda: store.get_job(job_id)["message"].startswith("waiting for capacity"), "waiting for capacity")
+            hold.unlink()
             cluster.add_node(num_cpus=2)  # its replacement joins
             final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300)
         finally:
@@ -200,7 +216,8 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
     from hpservice.api.supervisor import Supervisor
 
     monkeypatch.setenv(COORDINATOR_RESOURCE_ENV, "coord")
-    steps = 500  # each kill comes at most ~60 steps into an attempt: the job is mid-way at both
+    steps = 40
+    hold = _hold(tmp_path, monkeypatch, 12)  # the first kill at step 12, the second at 22
     job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 2})
     coordinator_node = {"num_cpus": 1, "resources": {"coord": 1}}
     with simulated_cluster(coordinator_node, coordinator_node, {"num_cpus": 2}) as cluster:
@@ -211,19 +228,20 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
         supervisor.start()
         try:
             lost_at = []
-            for kill in range(2):
-                after = lost_at[-1] if lost_at else 0
-                # a checkpoint of this attempt's own (past the last kill), and the job still running
+            for kill, at in enumerate((12, 22)):
+                hold.write_text(str(at))
+                # held at this step, with a checkpoint of this attempt's own (past the last kill)
                 _wait(
-                    lambda a=after: (j := store.get_job(job_id))["state"] == "RUNNING"
-                    and any(c["step"] > a + 5 for c in j["checkpoints"]),
-                    f"checkpointed in attempt {kill + 1}",
+                    lambda a=at: (j := store.get_job(job_id))["state"] == "RUNNING"
+                    and j["step"] >= a
+                    and any(c["step"] == a - 2 for c in j["checkpoints"]),
+                    f"held at step {at} in attempt {kill + 1}",
                 )
                 status = JobHandle.attach(job_id).status()
-                assert status["step"] < steps, "the job ended before its coordinator's node could be killed"
                 lost_at.append(status["step"])
                 cluster.remove_node(_node_of(cluster, status["coordinator_node"]), allow_graceful=False)
                 cluster.add_node(**coordinator_node)  # room for the next coordinator
+            hold.unlink()
             final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "", timeout=300)
         except AssertionError:
             job_now = store.get_job(job_id)
@@ -246,13 +264,15 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
     assert [r["loss"] for r in records] == expected  # bitwise
 
 
-def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_losses(ranks, tmp_path):
+def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_losses(ranks, tmp_path, monkeypatch):
     """4 workers (dp_replicate 2 x dp_shard 2, one shard group per 1-CPU node), min_workers 2. A
-    node dies and none comes back within capacity_wait_s: the job goes on with 2 workers from
-    its latest checkpoint (gradient accumulation 2 keeps the global batch). A node joins: at the
-    next checkpoint it grows back to 4. Every step's loss equals the undisturbed 4-worker run's
-    to fp32 reduction-order tolerance, and no restart is spent."""
-    steps = 400
+    node dies (the job held at step 12) and none comes back within capacity_wait_s: the job goes
+    on with 2 workers from its latest checkpoint (gradient accumulation 2 keeps the global batch).
+    A node joins: at a checkpoint after the coordinator sees room it grows back to 4. Every step's
+    loss equals the undisturbed 4-worker run's to fp32 reduction-order tolerance, and no restart
+    is spent."""
+    steps = 40
+    hold = _hold(tmp_path, monkeypatch, 12)
     sections = {
         "training": {"steps": steps},
         "parallelism": {"dp_replicate": 2},
@@ -267,11 +287,20 @@ def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_lo
     )
     with simulated_cluster({"num_cpus": 1}, {"num_cpus": 1}) as cluster:
         handle = start_job(spec)
-        status = _wait(lambda: (s := handle.status())["checkpoints"] and s, "checkpointed")
+        status = _wait(lambda: (s := handle.status())["step"] >= 12 and s["checkpoints"] and s, "held at step 12")
         lost = next(p["node_id"] for p in status["placement"] if p["rank"] == 2)
         cluster.remove_node(_node_of(cluster, lost), allow_graceful=False)
         _wait(lambda: handle.status()["workers"] == 2, "shrunk to 2 workers")
         cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        gate = 12
+        while handle.status()["workers"] < 4:  # one checkpoint at a time until the coordinator has seen room
+            assert gate + 5 < steps, f"not grown back by step {gate}: {handle.status()['history'][-3:]}"
+            time.sleep(2.5)  # at least one of the coordinator's looks for room (every 2 s)
+            gate += 5
+            hold.write_text(str(gate))
+            _wait(lambda g=gate: (s := handle.status())["step"] >= g or s["workers"] == 4, f"at step {gate}")
+        hold.unlink()
         status = handle.wait(timeout=300)
         assert status["state"] == "SUCCEEDED", status
         records = handle.poll(since_step=0)["records"]
@@ -289,7 +318,9 @@ def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_lo
     assert diff < 1e-5, diff
 
 
-def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(ranks, tmp_path):
+def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(
+    ranks, tmp_path, monkeypatch
+):
     """One 2-CPU node, SQLite (on both databases with stand-in coordinators: test_supervisor.py). alice's priority-0 job runs; bob submits a priority-10 job that needs the
     whole node: alice's is asked to checkpoint and stop, goes back to the queue PREEMPTED, bob's
     runs, then alice's resumes from its checkpoint. Its loss at every step is bitwise the
@@ -297,7 +328,8 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
     from hpservice.api.store import Store
     from hpservice.api.supervisor import Supervisor
 
-    steps = 300
+    steps = 40
+    hold = _hold(tmp_path, monkeypatch, 8)  # alice's job is at step 8 when bob's arrives
     low = _spec(tmp_path / "low", "low", training={"steps": steps}, checkpoint={"interval": 10, "keep": 2})
     high = _spec(tmp_path / "high", "high", training={"steps": 10}, scheduling={"priority": 10})
     with simulated_cluster({"num_cpus": 2}):
@@ -306,8 +338,10 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
         store.create_job("low-0001", "low", "alice", low.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
         try:
-            _wait(lambda: (j := store.get_job("low-0001"))["state"] == "RUNNING" and j["step"] >= 5, "low running")
+            _wait(lambda: (j := store.get_job("low-0001"))["state"] == "RUNNING" and j["step"] >= 8, "low held at step 8")
             store.create_job("high-0001", "high", "bob", high.model_dump(mode="json", by_alias=True), 10, None)
+            _wait(lambda: store.get_job("low-0001")["state"] == "PREEMPTED", "low preempted")
+            hold.unlink()
             ended = ("SUCCEEDED", "FAILED", "CANCELLED")
             final = _wait(
                 lambda: all(store.get_job(i)["state"] in ended for i in ("low-0001", "high-0001")),

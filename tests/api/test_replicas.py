@@ -9,13 +9,14 @@ import pytest
 
 from hpservice.actors.head import running_head, stop_head
 from hpservice.launch import free_port
+from hpservice.train._hold import HOLD_FILE_ENV
 from tests.api._serve import kill_server, start_server, wait_for
 
 SPEC = {
     "name": "replicated",
     "model": {"name": "llama", "flavor": "tiny"},
     "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
-    "training": {"steps": 150},
+    "training": {"steps": 20},
     "optimizer": {"lr": 3.0e-3},
     "resources": {"workers": 2, "use_gpu": False},
 }
@@ -27,8 +28,11 @@ def _role(url):
 
 
 @pytest.mark.databases("postgresql")  # replicas share a database server
-def test_two_serve_replicas_one_killed_mid_job(tmp_path):
+def test_two_serve_replicas_one_killed_mid_job(tmp_path, monkeypatch):
     data = tmp_path / "data"
+    hold = tmp_path / "hold"  # jobs train to step 5 and wait there until the test removes it
+    hold.write_text("5")
+    monkeypatch.setenv(HOLD_FILE_ENV, str(hold))  # inherited by the servers, their Ray head, the workers
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     servers = []
@@ -44,7 +48,7 @@ def test_two_serve_replicas_one_killed_mid_job(tmp_path):
         job = httpx.post(
             f"{urls[standby]}/v1/jobs", json=SPEC, timeout=30
         ).json()  # to the replica that does not launch
-        wait_for(lambda: httpx.get(f"{urls[leader]}/v1/jobs/{job['id']}", timeout=5).json()["step"] >= 3, 240, "step 3")
+        wait_for(lambda: httpx.get(f"{urls[leader]}/v1/jobs/{job['id']}", timeout=5).json()["step"] >= 5, 240, "step 5")
 
         # A cancel sent to the standby just as the leader launches a job: it ends CANCELLED.
         other = httpx.post(
@@ -61,6 +65,7 @@ def test_two_serve_replicas_one_killed_mid_job(tmp_path):
         kill_server(servers[leader])  # kill -9 the leader mid-job: it never releases its lease
         survivor = urls[standby]
         wait_for(lambda: _role(survivor) == "leader", 120, "the survivor to take the lease")
+        hold.unlink()
         done = wait_for(
             lambda: (j := httpx.get(f"{survivor}/v1/jobs/{job['id']}", timeout=5).json())["state"] in ENDED and j,
             300,
@@ -69,7 +74,7 @@ def test_two_serve_replicas_one_killed_mid_job(tmp_path):
         assert done["state"] == "SUCCEEDED", done
         assert done["restarts"] == 0 and [h["state"] for h in done["history"]].count("STARTING") == 1  # launched once
         records = httpx.get(f"{survivor}/v1/jobs/{job['id']}/metrics", timeout=30).json()["records"]
-        assert [r["step"] for r in records] == list(range(1, 151))  # every step's metrics, none lost
+        assert [r["step"] for r in records] == list(range(1, 21))  # every step's metrics, none lost
     finally:
         for proc in servers:
             kill_server(proc)

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from hpservice.launch import free_port
+from hpservice.train._hold import HOLD_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 # Ray's token authentication (its default for `ray start`): the API process presents the same token.
@@ -101,10 +102,12 @@ def service(tmp_path_factory, database_kind, request):
     database_url = request.getfixturevalue("postgres").new_database() if database_kind == "postgresql" else None
     port = free_port()
     ray_log = open(tmp / "ray.log", "w")  # noqa: SIM115 - lives as long as the process
+    # the workers inherit the hold file's name from the head; no file, no hold (test_api_restart_mid_job_loses_nothing)
     head = subprocess.Popen(
         ["ray", "start", "--head", f"--port={port}", "--num-cpus=4",
          "--include-dashboard=false", "--disable-usage-stats", "--block"],
-        stdout=ray_log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp, env=RAY_ENV,
+        stdout=ray_log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
+        env={**RAY_ENV, HOLD_FILE_ENV: str(tmp / "hold")},
     )  # fmt: skip
     try:
         _wait_port(port)
@@ -204,17 +207,22 @@ def test_submit_with_the_cli_and_follow_its_logs_while_it_runs(service, tmp_path
 
 @pytest.mark.databases("sqlite")  # on PostgreSQL: test_replicas.py kills a replica mid-job
 def test_api_restart_mid_job_loses_nothing(service, tmp_path):
-    with _client(service) as c:
-        job = c.post("/v1/jobs", json=_spec(tmp_path, "restart", steps=300)).json()
-        _wait_step(c, job["id"], 20)
-    service.kill()  # the API dies; the detached coordinator and workers go on
-    time.sleep(2)
-    service.start()
+    hold = service.tmp / "hold"  # the job trains to step 20 and waits there until the server is back
+    hold.write_text("20")
+    try:
+        with _client(service) as c:
+            job = c.post("/v1/jobs", json=_spec(tmp_path, "restart", steps=40)).json()
+            _wait_step(c, job["id"], 20)
+        service.kill()  # the API dies; the detached coordinator and workers go on
+        time.sleep(2)
+        service.start()
+    finally:
+        hold.unlink()
     done = _wait(service, job["id"], ("SUCCEEDED", "FAILED"))
     assert done["state"] == "SUCCEEDED", done
     with _client(service) as c:
         steps = [r["step"] for r in c.get(f"/v1/jobs/{job['id']}/metrics").json()["records"]]
-    assert steps == list(range(1, 301))  # back-filled: no gap
+    assert steps == list(range(1, 41))  # back-filled: no gap
 
 
 def test_cancel_and_auth(service, tmp_path):
