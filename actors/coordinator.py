@@ -253,11 +253,13 @@ class Coordinator:
 
     def record_checkpoint(self, info: dict) -> None:
         """A committed checkpoint; ``info["kept"]`` (the steps still on storage) drops the ones
-        pruning removed, so listings never offer a checkpoint that is gone."""
+        pruning removed, so listings never offer a checkpoint that is gone. ``info["time"]``, when
+        given, is when it was committed (an attempt reporting the checkpoint it resumed from, which
+        an earlier attempt's workers may have written after their coordinator was lost); else now."""
         info = dict(info)
         kept = info.pop("kept", None)
         with self._lock:
-            checkpoints = [c for c in self._checkpoints if c["step"] != info["step"]] + [{**info, "time": time.time()}]
+            checkpoints = [c for c in self._checkpoints if c["step"] != info["step"]] + [{"time": time.time(), **info}]
             if kept is not None:
                 checkpoints = [c for c in checkpoints if c["step"] in set(kept)]
             self._checkpoints = checkpoints

@@ -403,6 +403,7 @@ class Trainer:
 
         c = spec.checkpoint
         self.checkpoints = None
+        self._resumed: dict | None = None  # the run's own checkpoint it resumed from (resume_from: latest)
         if c.interval or c.resume_from:
             self.checkpoints = CheckpointManager(c.dir, keep=c.keep, async_save=c.async_, best_metric=c.keep_best)
             if c.resume_from:
@@ -414,6 +415,9 @@ class Trainer:
         self._log = log_fn if log_fn is not None else (functools.partial(print, flush=True) if log_to_stdout else None)
         self._log_fn = log_fn
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
+        if self._resumed is not None:  # listed again: an earlier attempt's workers may have written it unreported
+            self._uncommitted.append(self._resumed)
+            self._report_committed()
         self._profiler = None
         if spec.metrics.profile is not None:
             self._profiler = StepProfiler(spec.metrics.profile, spec.artifacts_dir(), self.rank, self.device)
@@ -553,6 +557,9 @@ class Trainer:
                 )
                 return
             extra = self.checkpoints.load(self.model_parts, self.optimizer)
+            latest = self.checkpoints.latest() if self.rank == 0 else None
+            if latest is not None:
+                self._resumed = {"step": latest["step"], "metrics": latest["metrics"], "time": latest["time"]}
         else:
             name = resume_from.rstrip("/").rpartition("/")[2]  # a path or a URL: .../step-N
             if step_of(name) is None:

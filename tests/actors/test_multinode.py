@@ -216,7 +216,8 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
     from hpservice.api.supervisor import Supervisor
 
     monkeypatch.setenv(COORDINATOR_RESOURCE_ENV, "coord")
-    steps = 500  # each kill comes at most ~60 steps into an attempt: the job is mid-way at both
+    steps = 40
+    hold = _hold(tmp_path, monkeypatch, 12)  # the first kill at step 12, the second at 22
     job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 2})
     coordinator_node = {"num_cpus": 1, "resources": {"coord": 1}}
     with simulated_cluster(coordinator_node, coordinator_node, {"num_cpus": 2}) as cluster:
@@ -227,19 +228,23 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
         supervisor.start()
         try:
             lost_at = []
-            for kill in range(2):
-                after = lost_at[-1] if lost_at else 0
-                # a checkpoint of this attempt's own (past the last kill), and the job still running
+            for kill, at in enumerate((12, 22)):
+                # this attempt (after the kill before: its workers gone, their node's CPUs free)
+                # running, then held at step `at`, past a checkpoint of its own
+                _wait(lambda k=kill: _requeues(store.get_job(job_id)) == k, f"attempt {kill + 1} launched")
+                hold.write_text(str(at))
                 _wait(
-                    lambda a=after: (j := store.get_job(job_id))["state"] == "RUNNING"
-                    and any(c["step"] > a + 5 for c in j["checkpoints"]),
-                    f"checkpointed in attempt {kill + 1}",
+                    lambda a=at: (j := store.get_job(job_id))["state"] == "RUNNING"
+                    and j["step"] >= a
+                    and any(c["step"] == a - 2 for c in j["checkpoints"]),
+                    f"held at step {at} in attempt {kill + 1}",
                 )
                 status = JobHandle.attach(job_id).status()
-                assert status["step"] < steps, "the job ended before its coordinator's node could be killed"
                 lost_at.append(status["step"])
                 cluster.remove_node(_node_of(cluster, status["coordinator_node"]), allow_graceful=False)
                 cluster.add_node(**coordinator_node)  # room for the next coordinator
+            _wait(lambda: _requeues(store.get_job(job_id)) == 2, "attempt 3 launched")
+            hold.unlink()
             final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "", timeout=300)
         except AssertionError:
             job_now = store.get_job(job_id)
@@ -260,6 +265,13 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
     assert any(line["step"] > lost_at[-1] for line in lines), "no log line of the last attempt was stored"
     expected = ranks(2).run(_torchrun_losses, _spec(tmp_path / "ref", "requeued", training={"steps": steps}))[0]
     assert [r["loss"] for r in records] == expected  # bitwise
+
+
+def _requeues(job: dict) -> int:
+    """Attempts a job has had relaunched (after its coordinator's node was lost) that are running."""
+    history = [(h["state"], h["message"]) for h in job["history"]]
+    requeued = sum(1 for state, message in history if message.startswith("requeued: its coordinator died"))
+    return requeued if history[-1][0] == "RUNNING" else -1
 
 
 def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_losses(ranks, tmp_path, monkeypatch):

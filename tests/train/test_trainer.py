@@ -52,6 +52,27 @@ def test_resume_mid_run_continues_identically(ranks, tmp_path):
     assert [r["lr"] for r in resumed] == [r["lr"] for r in full[3:]]
 
 
+def test_resuming_from_latest_reports_the_checkpoint_it_resumed_from(tmp_path):
+    """A checkpoint the lost coordinator's workers wrote after it died never reached a listing:
+    the attempt that resumes from it reports it, with its commit time and what storage keeps."""
+    spec = _spec(tmp_path, training={"steps": 4}, checkpoint={"interval": 2, "keep": 1})
+    Trainer(spec, log_to_stdout=False).train()
+    latest = tmp_path / "ckpt" / "step-00000004"
+    reported = []
+    again = spec.model_copy(
+        update={
+            "checkpoint": spec.checkpoint.model_copy(update={"resume_from": "latest"}),
+            "training": spec.training.model_copy(update={"steps": 5}),
+        }
+    )
+    trainer = Trainer(again, on_checkpoint=reported.append, log_to_stdout=False)
+    manifest = json.loads((latest / "manifest.json").read_text())
+    assert reported == [
+        {"step": 4, "metrics": manifest["metrics"], "time": manifest["time"], "path": str(latest), "kept": [4]}
+    ]
+    trainer.close()
+
+
 class NaNAfter(nn.Module):
     """A model whose logits turn NaN at its third forward: exercises the non-finite guard."""
 
