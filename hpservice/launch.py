@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -90,10 +91,33 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results,
         if task is None:
             return  # the process exits; its gloo connections close with it
         call_id, fn, args, kwargs = task
+        groups = _process_groups()
         try:
             results.put((call_id, rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((call_id, rank, False, traceback.format_exc()))
+        _destroy_groups_since(groups)
+
+
+def _process_groups() -> set:
+    """The process groups this process has now (torch keeps them until destroyed)."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_since(before: set) -> None:
+    """Destroy the groups a call created (a trainer's meshes, its checkpoint group): a rank lives
+    on for the next call, and each gloo group keeps its own polling threads, which would pile up
+    over a test session (hundreds of threads per rank, a whole core's worth of wakeups). Every
+    rank returns from the call after its last collective, so no peer still uses them."""
+    import torch.distributed as dist
+
+    for group in _process_groups() - before:
+        if group is not dist.GroupMember.WORLD:
+            with contextlib.suppress(Exception):  # one the call already destroyed or broke: nothing to free
+                dist.destroy_process_group(group)
+    gc.collect()  # the groups' threads end when the last reference (a mesh in a reference cycle) goes
 
 
 class RankPool:
