@@ -337,6 +337,17 @@ class TransformerBlock(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
+def keep_blocks(blocks: nn.ModuleDict, names: list[str]) -> None:
+    """Delete every block of ``blocks`` not in ``names`` (a pipeline stage's, ``keep_stage``); the
+    kept ones keep their keys, so their parameter names stay the whole model's."""
+    unknown = sorted(set(names) - set(blocks.keys()))
+    if unknown:
+        raise ValueError(f"keep_stage: no blocks {unknown} (the model has {list(blocks.keys())})")
+    for name in list(blocks.keys()):
+        if name not in names:
+            del blocks[name]
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -368,12 +379,7 @@ class Llama(nn.Module):
                 "a Llama with tie_embeddings cannot be split into pipeline stages: the head and the embedding "
                 "are one parameter, and they would live on different stages"
             )
-        unknown = sorted(set(layers) - set(self.layers.keys()))
-        if unknown:
-            raise ValueError(f"keep_stage: no blocks {unknown} (the model has {list(self.layers.keys())})")
-        for name in list(self.layers.keys()):
-            if name not in layers:
-                del self.layers[name]
+        keep_blocks(self.layers, layers)
         if not first:
             self.tok_embeddings = None
         if not last:

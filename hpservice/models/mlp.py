@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import RMSNorm
+from .llama import RMSNorm, keep_blocks
 
 
 @dataclass
@@ -86,12 +86,7 @@ class MLPModel(nn.Module):
 
     def keep_stage(self, layers: list[str], *, first: bool, last: bool) -> None:
         """Trim this model, in place, to one pipeline stage (see ``Llama.keep_stage``)."""
-        unknown = sorted(set(layers) - set(self.layers.keys()))
-        if unknown:
-            raise ValueError(f"keep_stage: no blocks {unknown} (the model has {list(self.layers.keys())})")
-        for name in list(self.layers.keys()):
-            if name not in layers:
-                del self.layers[name]
+        keep_blocks(self.layers, layers)
         if not first:
             self.embedding = None
         if not last:
