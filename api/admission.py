@@ -155,7 +155,7 @@ def _admit_data(data, field: str, home: Path, settings: Settings, errors: list):
 
 def _admit_model(spec: JobSpec, settings: Settings, errors: list):
     name = spec.model.name
-    if name in list_models():
+    if name is None or name in list_models():  # None: the llama, or init_from's family
         return spec.model
     allowed = allowed_factories(settings)
     if name in allowed:

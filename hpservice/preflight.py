@@ -97,9 +97,9 @@ def _pipeline_errors(spec: JobSpec) -> Errors:
         compute_order(p.pp_schedule, p.pp, micro, p.pp_virtual_stages)
     except ValueError as e:
         return [("parallelism.pp_schedule", f"{e} (parallelism.pp_microbatches x training.grad_accum = {micro})")]
-    if spec.model.name not in list_models():
-        return []
     m = spec.model
+    if m.name is not None and m.name not in list_models():
+        return []
     try:
         model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
     except Exception:
@@ -128,7 +128,7 @@ def check_model(spec: JobSpec) -> Errors:
 
     builtins = list_models()
     name = spec.model.name
-    if name in builtins:
+    if name is None or name in builtins:  # None: the llama, or init_from's family (check_inputs)
         return []
     if ":" not in name:
         message = f"{name!r} is neither a built-in model ({', '.join(builtins)}) nor 'package.module:factory'"
@@ -203,9 +203,24 @@ def check_inputs(spec: JobSpec, visible: Callable[[Path], bool] = lambda p: True
         elif kind == "dir" and not path.is_dir():
             what = "checkpoint directory" if field == "checkpoint.resume_from" else "Hugging Face checkpoint directory"
             errors.append((field, f"{raw}: no such {what}" if not path.exists() else f"{raw}: not a directory"))
-        elif field == "model.init_from" and not (path / "config.json").is_file():
-            errors.append((field, f"{raw}: no config.json (a Hugging Face checkpoint directory has one)"))
+        elif field == "model.init_from":
+            errors += _init_from_errors(spec, raw, path)
     return errors
+
+
+def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
+    """The checkpoint has a config.json of a family we import, the one model.name names, with
+    settings we compute exactly (``hf.config_from_hf``)."""
+    from hpservice.models.hf import HFFormatError, config_from_hf
+
+    if not (path / "config.json").is_file():
+        return [("model.init_from", f"{raw}: no config.json (a Hugging Face checkpoint directory has one)")]
+    try:
+        config_from_hf(path, family=spec.model.name)
+    except (HFFormatError, KeyError, TypeError, ValueError) as e:
+        what = f"config.json has no {e}" if isinstance(e, KeyError) else str(e)
+        return [("model.init_from", what)]
+    return []
 
 
 def check_devices(spec: JobSpec) -> Errors:

@@ -72,7 +72,7 @@ def _ours(path: str) -> dict:
 
     from hpservice.dtensor import init_device_mesh
     from hpservice.fsdp import fully_shard
-    from hpservice.models.hf import llama_config_from_hf, load_hf_weights
+    from hpservice.models.hf import config_from_hf, load_hf_weights
     from hpservice.models.llama import Llama
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -80,7 +80,7 @@ def _ours(path: str) -> dict:
     dist.barrier()
     t = time.perf_counter()
     with torch.device("meta"):
-        model = Llama(llama_config_from_hf(path))
+        model = Llama(config_from_hf(path))
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -97,10 +97,10 @@ def _ours(path: str) -> dict:
 
 def _export(path: str, root: str, out: str) -> float:
     from hpservice.checkpoint import CheckpointManager
-    from hpservice.models.hf import export_hf, llama_config_from_hf, load_hf_weights
+    from hpservice.models.hf import config_from_hf, export_hf, load_hf_weights
     from hpservice.models.llama import Llama
 
-    cfg = llama_config_from_hf(path)
+    cfg = config_from_hf(path)
     model = Llama(cfg)
     load_hf_weights(model, path)
     CheckpointManager(root).save(1, model)

@@ -102,11 +102,14 @@ def _validate(args) -> int:
     spec = load_launchable(args)
     if spec is None:
         return ExitCode.USAGE
+    from hpservice.models import resolve_name
+
     m = spec.model
+    name = resolve_name(m.name, m.init_from)
     if m.init_from:
-        model = f"llama from {m.init_from}"
+        model = f"{name} from {m.init_from}"
     else:
-        model = m.name if ":" in m.name else f"{m.name}/{m.flavor or 'tiny'}"
+        model = name if ":" in name else f"{name}/{m.flavor or 'tiny'}"
     print(f"{args.job}: valid job {spec.name!r} ({model}, {spec.training.steps} steps)")
     return ExitCode.OK
 
@@ -154,26 +157,27 @@ def load_launchable(args, *, here: bool = True):
 
 
 def _load_for_generation(path: str):
-    """A plain Llama with the weights of ``path`` and its ``hf_text`` record (special ids,
-    tokenizer files; None where there is none): our checkpoint (its recorded config) or a Hugging
-    Face directory."""
+    """A plain model of one of the Hugging Face families with the weights of ``path`` and its
+    ``hf_text`` record (special ids, tokenizer files; None where there is none): our checkpoint
+    (its recorded model and config) or a Hugging Face directory (the family its config names)."""
     from pathlib import Path
 
     from hpservice.checkpoint import CheckpointReader
-    from hpservice.models.hf import llama_config_from_hf, load_hf_weights
+    from hpservice.models import HF_FAMILIES, build_model, model_class
+    from hpservice.models.hf import load_hf_weights
     from hpservice.models.hf_text import record_from_hf
-    from hpservice.models.llama import Llama, LlamaConfig
+    from hpservice.models.llama import LlamaConfig
 
     p = Path(path)
     if (p / "config.json").is_file():
-        model = Llama(llama_config_from_hf(p))
+        model = build_model(None, init_from=str(p))
         load_hf_weights(model, p)
         return model, record_from_hf(p)
     checkpoint = CheckpointReader(p)  # an input: read, never written, nothing in it runs
     recorded = checkpoint.extra(0).get("model") or {}
-    if recorded.get("name") != "llama":
-        raise ValueError(f"{p}: not a llama checkpoint with its config recorded")
-    model = Llama(LlamaConfig(**recorded["config"]))
+    if recorded.get("name") not in HF_FAMILIES or not recorded.get("config"):
+        raise ValueError(f"{p}: not a checkpoint of {', '.join(HF_FAMILIES)} with its config recorded")
+    model = model_class(recorded["name"])(LlamaConfig(**recorded["config"]))
     checkpoint.load(model)
     return model, recorded.get("text")
 

@@ -3,7 +3,13 @@
 Built-in models (each in one plain file):
 
 - ``"llama"``: Llama-style decoder (``llama.py``); flavors ``tiny``, ``small``, ``1B``, ``8B``.
+- ``"qwen2"`` (``qwen2.py``: q/k/v biases), ``"qwen3"`` (``qwen3.py``: per-head q/k norms, head
+  width of its own), ``"mistral"`` (``mistral.py``: sliding window): the same decoder as the
+  llama with those variants; flavors ``tiny`` and the released sizes.
 - ``"mlp"``: residual MLP for benchmarks (``mlp.py``); flavors ``tiny``, ``small``.
+
+A Hugging Face checkpoint (``init_from``) picks its family itself (``hf.hf_family``): its
+``config.json``'s ``architectures`` / ``model_type``.
 
 A job can also name its own model as ``"package.module:factory"``: the module is imported and
 ``factory(**overrides)`` must return an ``nn.Module``.
@@ -54,22 +60,34 @@ from torch import nn
 
 from . import llama, mlp
 from .llama import LLAMA_FLAVORS, Llama, LlamaConfig, num_params
+from .mistral import MISTRAL_FLAVORS, Mistral
 from .mlp import MLP_FLAVORS, MLPConfig, MLPModel
+from .qwen2 import QWEN2_FLAVORS, Qwen2
+from .qwen3 import QWEN3_FLAVORS, Qwen3
 
 __all__ = [
+    "HF_FAMILIES",
     "LLAMA_FLAVORS",
+    "MISTRAL_FLAVORS",
     "MLP_FLAVORS",
+    "QWEN2_FLAVORS",
+    "QWEN3_FLAVORS",
     "Llama",
     "LlamaConfig",
     "MLPConfig",
     "MLPModel",
+    "Mistral",
+    "Qwen2",
+    "Qwen3",
     "build_model",
     "flops_per_token",
     "list_flavors",
     "list_models",
+    "model_class",
     "model_config",
     "num_params",
     "resolve_factory",
+    "resolve_name",
 ]
 
 _DEFAULT_FLAVOR = "tiny"
@@ -84,8 +102,25 @@ class _Builtin:
 
 _BUILTINS: dict[str, _Builtin] = {
     "llama": _Builtin(LlamaConfig, Llama, LLAMA_FLAVORS),
+    "qwen2": _Builtin(LlamaConfig, Qwen2, QWEN2_FLAVORS),
+    "qwen3": _Builtin(LlamaConfig, Qwen3, QWEN3_FLAVORS),
+    "mistral": _Builtin(LlamaConfig, Mistral, MISTRAL_FLAVORS),
     "mlp": _Builtin(MLPConfig, MLPModel, MLP_FLAVORS),
 }
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""The built-ins that import and export Hugging Face checkpoints (``hf.py``)."""
+
+
+def resolve_name(name: str | None, init_from: str | None = None) -> str:
+    """The model a spec's ``model.name`` / ``model.init_from`` mean: the name when given, else the
+    family of the Hugging Face checkpoint (read from its ``config.json``), else the llama."""
+    if name is not None:
+        return name
+    if init_from is not None:
+        from .hf import hf_family
+
+        return hf_family(init_from)
+    return "llama"
 
 
 def list_models() -> list[str]:
@@ -98,17 +133,20 @@ def list_flavors(name: str) -> list[str]:
     return list(_builtin(name).flavors)
 
 
-def model_config(name: str, flavor: str | None = None, overrides: dict | None = None, init_from: str | None = None):
+def model_config(name: str | None, flavor: str | None = None, overrides: dict | None = None, init_from: str | None = None):
     """The config dataclass of a built-in model: the flavor's config (default ``"tiny"``), or with
-    ``init_from`` the Hugging Face checkpoint's (``hf.py``; llama only), with ``overrides``
-    applied. Unknown fields and wrongly typed values raise ``ValueError``."""
+    ``init_from`` the Hugging Face checkpoint's (``hf.py``; ``HF_FAMILIES``; ``name`` None: the
+    checkpoint's family), with ``overrides`` applied. Unknown fields and wrongly typed values raise ``ValueError``."""
+    name = resolve_name(name, init_from)
     entry = _builtin(name)
     if init_from is not None:
-        if name != "llama":
-            raise ValueError(f"init_from: only the built-in llama imports Hugging Face checkpoints, not {name!r}")
-        from .hf import llama_config_from_hf
+        if name not in HF_FAMILIES:
+            raise ValueError(
+                f"init_from: Hugging Face checkpoints import into {', '.join(HF_FAMILIES)}, not {name!r}"
+            )
+        from .hf import config_from_hf
 
-        return _apply_overrides(llama_config_from_hf(init_from), overrides or {})
+        return _apply_overrides(config_from_hf(init_from, family=name), overrides or {})
     flavor = _DEFAULT_FLAVOR if flavor is None else flavor
     if flavor not in entry.flavors:
         raise ValueError(f"unknown flavor {flavor!r} for model {name!r}; allowed flavors: {', '.join(entry.flavors)}")
@@ -116,7 +154,7 @@ def model_config(name: str, flavor: str | None = None, overrides: dict | None = 
 
 
 def build_model(
-    name: str,
+    name: str | None,
     flavor: str | None = None,
     overrides: dict | None = None,
     *,
@@ -125,14 +163,16 @@ def build_model(
 ) -> nn.Module:
     """Build a model by name.
 
-    - ``name``: ``"llama"`` / ``"mlp"`` (see ``list_models()``), or ``"package.module:factory"``.
+    - ``name``: a built-in (``list_models()``), ``"package.module:factory"``, or None: the
+      ``init_from`` checkpoint's family, else the llama.
     - ``flavor``: a row of the built-in's flavor table (default ``"tiny"``); must be None for a factory.
     - ``overrides``: config fields to replace (built-in) or keyword arguments of the factory.
     - ``device``: build under ``torch.device(device)``; ``"meta"`` allocates nothing (then
       ``to_empty(device=...)`` and ``init_weights()``). None: the current default device.
-    - ``init_from``: a Hugging Face checkpoint directory whose config the llama takes (its weights:
+    - ``init_from``: a Hugging Face checkpoint directory whose config the model takes (its weights:
       ``hf.load_hf_weights`` after the model is laid out).
     """
+    name = resolve_name(name, init_from)
     if not isinstance(name, str) or not name:
         raise ValueError(f"model name must be a non-empty string, got {name!r}")
     if ":" in name:
@@ -149,6 +189,11 @@ def build_model(
     cfg = model_config(name, flavor, overrides, init_from)
     with _device_context(device):
         return _BUILTINS[name].model_cls(cfg)
+
+
+def model_class(name: str) -> type[nn.Module]:
+    """The class of a built-in model (``Llama``, ``Qwen3``, ...), built from its config alone."""
+    return _builtin(name).model_cls
 
 
 def flops_per_token(cfg: LlamaConfig | MLPConfig, seq_len: int, *, attention: bool = True) -> int:

@@ -1,4 +1,4 @@
-"""Text generation from a Llama with a key/value cache: greedy, temperature and top-k sampling.
+"""Text generation from a Llama (or Qwen2, Qwen3, Mistral) with a key/value cache: greedy, temperature and top-k sampling.
 
 ``generate(model, prompt_ids, max_new_tokens)`` runs the prompt once (the "prefill"), then one
 token at a time, each step attending over the cached keys and values of every earlier position
@@ -42,8 +42,11 @@ def _attention(attn: Attention, x: torch.Tensor, rope: torch.Tensor, cache: KVCa
     q, k, v = attn.qkv(x, rope)
     start, S = cache.length, x.shape[1]
     k, v = attn.expand_kv(*cache.extend(layer, k, v))
-    # New query i (position start + i) sees keys 0 .. start + i.
-    mask = torch.ones(S, start + S, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    # New query i (position start + i) sees keys 0 .. start + i (the last sliding_window of them).
+    offset = torch.arange(start, start + S, device=x.device)[:, None] - torch.arange(start + S, device=x.device)
+    mask = offset >= 0
+    if attn.sliding_window is not None:
+        mask &= offset < attn.sliding_window
     return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 

@@ -1,22 +1,26 @@
-"""Hugging Face Llama checkpoints into our Llama, each rank reading only its own slices.
+"""Hugging Face checkpoints of the Llama, Qwen2, Qwen3 and Mistral families into our decoder
+(``llama.py`` and its family files), each rank reading only its own slices, and back.
 
 A checkpoint directory holds ``config.json`` and ``model.safetensors``, or sharded
 ``model-0000x-of-0000y.safetensors`` files listed in ``model.safetensors.index.json``.
 
-- ``llama_config_from_hf(dir)`` maps the config (``LlamaForCausalLM``: hidden size, layers,
-  heads, KV heads, intermediate size, rope theta, RMS eps, tied embeddings, vocab) to a
-  ``LlamaConfig`` (transformers 4's ``rope_theta`` / ``rope_scaling`` and 5's
-  ``rope_parameters``; plain and Llama 3 ``llama3`` frequencies). Anything we would compute
-  differently is refused with the key and the value (other rope types, attention or MLP biases,
-  a head_dim other than hidden / heads, an activation other than SiLU), never approximated.
+- ``hf_family(dir)``: the family, from ``architectures`` (else ``model_type``): ``FAMILIES``.
+- ``config_from_hf(dir)`` maps the config (hidden size, layers, heads, KV heads, head_dim,
+  intermediate size, rope theta, RMS eps, tied embeddings, vocab; Qwen2's q/k/v biases, Qwen3's
+  q/k norms, Mistral's sliding window) to a ``LlamaConfig`` (transformers 4's ``rope_theta`` /
+  ``rope_scaling`` and 5's ``rope_parameters``; plain and Llama 3 ``llama3`` frequencies).
+  Anything we would compute differently is refused with the key and the value (other rope
+  types, output-projection or MLP biases, Qwen's per-layer sliding windows, an activation other
+  than SiLU), never approximated.
 - ``load_hf_weights(model, dir)`` fills an already built (and possibly sharded) ``Llama`` in
   place. For each parameter, a DTensor (FSDP, HSDP, TP and their compositions) or a plain
   tensor, the rank computes the global rectangle its local piece covers and reads only that from
   the safetensors file (``safe_open(...).get_slice``). The full model never exists on one rank.
 
 Rotary layout: our attention rotates interleaved channel pairs ``(2i, 2i+1)`` (Meta's layout).
-Hugging Face's ``q_proj`` / ``k_proj`` rows are permuted for its ``rotate_half``: within each
-head, row ``c * head_dim/2 + i`` of theirs is our row ``2i + c``. Our rows of a query/key weight
+Hugging Face's ``q_proj`` / ``k_proj`` rows (and their biases, and Qwen3's ``q_norm`` / ``k_norm``
+channels) are permuted for its ``rotate_half``: within each head, row ``c * head_dim/2 + i`` of
+theirs is our row ``2i + c``. Our rows of a query/key weight
 are read head by head, from the heads the local rows touch, and reordered.
 """
 
@@ -35,9 +39,27 @@ from hpservice.inputs import InputError, open_input, opened_path
 from .hf_text import write_text_files
 from .llama import Llama, LlamaConfig
 
-__all__ = ["HFFormatError", "export_checkpoint_hf", "export_hf", "hf_config", "hf_name", "llama_config_from_hf", "load_hf_weights", "save_hf_pretrained"]
+__all__ = [
+    "FAMILIES",
+    "HFFormatError",
+    "config_from_hf",
+    "export_checkpoint_hf",
+    "export_hf",
+    "family_of",
+    "hf_config",
+    "hf_family",
+    "hf_name",
+    "load_hf_weights",
+    "save_hf_pretrained",
+]
 
-_ARCHITECTURES = ("LlamaForCausalLM",)
+# family -> (model_type, architecture) of its Hugging Face checkpoints
+FAMILIES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+}
 
 
 class HFFormatError(ValueError):
@@ -57,14 +79,33 @@ def _read_config(path: Path) -> dict:
         raise HFFormatError(f"{config}: not valid JSON ({e})") from None
 
 
-def llama_config_from_hf(path: str | Path, **overrides) -> LlamaConfig:
-    """Our ``LlamaConfig`` for the checkpoint at ``path``; ``overrides`` replace fields (e.g.
-    ``max_seq_len`` shorter than the checkpoint's)."""
+def _family(cfg: dict, where: Path) -> str:
+    archs = cfg.get("architectures") or []
+    for family, (model_type, arch) in FAMILIES.items():
+        if arch in archs or (not archs and cfg.get("model_type") == model_type):
+            return family
+    supported = ", ".join(f"{a} ({t})" for t, a in FAMILIES.values())
+    raise HFFormatError(
+        f"{where}: architectures = {archs!r}, model_type = {cfg.get('model_type')!r} is not a family we import "
+        f"(supported: {supported})"
+    )
+
+
+def hf_family(path: str | Path) -> str:
+    """The built-in model (``FAMILIES``' key) of the Hugging Face checkpoint at ``path``, from its
+    ``config.json``'s ``architectures`` (else ``model_type``); ``HFFormatError`` naming both otherwise."""
+    return _family(_read_config(Path(path)), Path(path) / "config.json")
+
+
+def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> LlamaConfig:
+    """Our config for the checkpoint at ``path`` (of ``family``, which must be the checkpoint's
+    own; None: whichever it is); ``overrides`` replace fields (e.g. ``max_seq_len`` shorter than
+    the checkpoint's)."""
     cfg = _read_config(Path(path))
     where = Path(path) / "config.json"
-    archs = cfg.get("architectures") or [cfg.get("model_type")]
-    if not any(a in _ARCHITECTURES or a == "llama" for a in archs):
-        raise HFFormatError(f"{where}: architectures {archs} are not supported (supported: {', '.join(_ARCHITECTURES)})")
+    found = _family(cfg, where)
+    if family is not None and found != family:
+        raise HFFormatError(f"{where}: a {found} checkpoint ({FAMILIES[found][1]}), not a {family} one (model.name)")
 
     def refuse(key: str, allowed, why: str):
         value = cfg.get(key)
@@ -86,17 +127,20 @@ def llama_config_from_hf(path: str | Path, **overrides) -> LlamaConfig:
                 f"{where}: {key} of rope_type {scaling.get('rope_type')!r} is not supported: plain and Llama 3 "
                 "('llama3') frequencies are implemented"
             )
-    refuse("attention_bias", (None, False), "our attention projections have no bias")
+    if found != "qwen2":  # Qwen2's q/k/v always have biases; the others' attention_bias adds o_proj's too
+        refuse("attention_bias", (None, False), "biases on all four attention projections are not implemented")
     refuse("mlp_bias", (None, False), "our MLP projections have no bias")
     refuse("hidden_act", (None, "silu"), "our MLP is SwiGLU with SiLU")
+    if found in ("qwen2", "qwen3"):
+        refuse("use_sliding_window", (None, False), "Qwen's per-layer sliding windows are not implemented")
     heads = cfg["num_attention_heads"]
-    if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
-        raise HFFormatError(f"{where}: head_dim = {cfg['head_dim']} differs from hidden_size / num_attention_heads")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     fields = {
         "dim": cfg["hidden_size"],
         "n_layers": cfg["num_hidden_layers"],
         "n_heads": heads,
         "n_kv_heads": cfg.get("num_key_value_heads") or heads,
+        "attn_head_dim": None if head_dim * heads == cfg["hidden_size"] else head_dim,
         "vocab_size": cfg["vocab_size"],
         "hidden_dim": cfg["intermediate_size"],
         "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
@@ -104,13 +148,36 @@ def llama_config_from_hf(path: str | Path, **overrides) -> LlamaConfig:
         "rope_scaling": scaling,
         "max_seq_len": cfg.get("max_position_embeddings", 2048),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qkv_bias": found == "qwen2",
+        "qk_norm": found == "qwen3",
+        "sliding_window": cfg.get("sliding_window") if found == "mistral" else None,
     }
     fields.update(overrides)
     return LlamaConfig(**fields)
 
 
+_BLOCK_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# rows (or channels) rotated by the rotary embedding, in our interleaved order
+_ROTARY = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias", "q_norm.weight", "k_norm.weight")
+
+
 def hf_name(name: str) -> str:
-    """The Hugging Face tensor name of one of our Llama's parameters."""
+    """The Hugging Face tensor name of one of our decoder's parameters (every family's)."""
     parts = name.split(".")
     if name == "tok_embeddings.weight":
         return "model.embed_tokens.weight"
@@ -120,19 +187,8 @@ def hf_name(name: str) -> str:
         return "lm_head.weight"
     if parts[0] == "layers":
         i, rest = parts[1], ".".join(parts[2:])
-        table = {
-            "attention.wq.weight": "self_attn.q_proj.weight",
-            "attention.wk.weight": "self_attn.k_proj.weight",
-            "attention.wv.weight": "self_attn.v_proj.weight",
-            "attention.wo.weight": "self_attn.o_proj.weight",
-            "feed_forward.w1.weight": "mlp.gate_proj.weight",
-            "feed_forward.w3.weight": "mlp.up_proj.weight",
-            "feed_forward.w2.weight": "mlp.down_proj.weight",
-            "attention_norm.weight": "input_layernorm.weight",
-            "ffn_norm.weight": "post_attention_layernorm.weight",
-        }
-        if rest in table:
-            return f"model.layers.{i}.{table[rest]}"
+        if rest in _BLOCK_NAMES:
+            return f"model.layers.{i}.{_BLOCK_NAMES[rest]}"
     raise HFFormatError(f"no Hugging Face tensor for our parameter {name!r}")
 
 
@@ -197,7 +253,7 @@ def _rotary_rows(offset: int, count: int, head_dim: int) -> tuple[int, int, torc
 
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | Path) -> None:
-    """Fill ``model`` (built from ``llama_config_from_hf(path)``, sharded or not) with the
+    """Fill ``model`` (built from ``config_from_hf(path)``, sharded or not) with the
     checkpoint's weights, each rank reading only what its local pieces need."""
     path = Path(path)
     files = _SafetensorsDir(path)
@@ -214,7 +270,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
         if local.numel() == 0:
             continue
         cols = [slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True)]
-        if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+        if name.endswith(_ROTARY):
             lo, hi, index = _rotary_rows(offset[0], local_shape[0], head_dim)
             block = source[(slice(lo, hi), *cols)]
             value = block[index]
@@ -226,13 +282,15 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
 # ---- export -----------------------------------------------------------------------------------
 
 
-def hf_config(cfg: LlamaConfig, text: dict | None = None) -> dict:
-    """The ``config.json`` transformers needs for our Llama of config ``cfg``; ``text`` (a run's
-    ``hf_text`` record) adds its special token ids and the source's ``max_position_embeddings``
-    (a job's ``max_seq_len`` is the context it trained on, not the model's limit)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def hf_config(cfg: LlamaConfig, text: dict | None = None, family: str = "llama") -> dict:
+    """The ``config.json`` transformers needs for our model of config ``cfg`` and ``family``
+    (``FAMILIES``); ``text`` (a run's ``hf_text`` record) adds its special token ids and the
+    source's ``max_position_embeddings`` (a job's ``max_seq_len`` is the context it trained on,
+    not the model's limit)."""
+    model_type, arch = FAMILIES[family]
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden_dim,
         "num_hidden_layers": cfg.n_layers,
@@ -246,25 +304,51 @@ def hf_config(cfg: LlamaConfig, text: dict | None = None) -> dict:
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": "float32",
-        **((text or {}).get("config") or {}),
     }
+    if family == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    elif family in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None)
+        if family == "qwen3":
+            config["attention_bias"] = False
+    else:
+        config["sliding_window"] = cfg.sliding_window
+    return {**config, **((text or {}).get("config") or {})}
+
+
+def _check_family(cfg: LlamaConfig, family: str) -> None:
+    """The variants ``cfg`` uses exist in ``family``'s Hugging Face model (a Llama has no q/k norms)."""
+    if family not in FAMILIES:
+        raise HFFormatError(f"Hugging Face export covers {', '.join(FAMILIES)}, not {family!r}")
+    uses = {"qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm, "sliding_window": cfg.sliding_window is not None}
+    has = {"qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"}, "mistral": {"sliding_window"}}.get(family, set())
+    missing = [k for k, used in uses.items() if used and k not in has] + [k for k in has if k != "sliding_window" and not uses[k]]
+    if missing:
+        raise HFFormatError(
+            f"a {family} model with these settings ({', '.join(f'{k}={getattr(cfg, k)!r}' for k in missing)}) "
+            f"has no {FAMILIES[family][1]} equivalent"
+        )
 
 
 def _to_hf_layout(name: str, value: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Our interleaved query/key rows -> Hugging Face's rotate_half rows (the inverse of the load)."""
-    if not name.endswith(("attention.wq.weight", "attention.wk.weight")):
+    if not name.endswith(_ROTARY):
         return value
-    rows, cols = value.shape
-    return value.view(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows, rest = value.shape[0], value.shape[1:]
+    return value.view(rows // head_dim, head_dim // 2, 2, *rest).transpose(1, 2).reshape(value.shape)
 
 
 def export_hf(
-    checkpoint: str | Path, out: str | Path, cfg: LlamaConfig, *, max_shard_bytes: int = 2 << 30, text: dict | None = None
+    checkpoint: str | Path,
+    out: str | Path,
+    cfg: LlamaConfig,
+    *,
+    max_shard_bytes: int = 2 << 30,
+    text: dict | None = None,
+    family: str = "llama",
 ) -> dict:
-    """Write a committed checkpoint of our Llama as a Hugging Face checkpoint directory:
+    """Write a committed checkpoint of our ``family`` model (``FAMILIES``) as a Hugging Face checkpoint directory:
     ``config.json``, ``model-0000x-of-0000y.safetensors`` and their index, loadable by
     ``transformers.AutoModelForCausalLM.from_pretrained(out)``; with ``text`` (the run's
     ``hf_text`` record) also its special token ids, ``generation_config.json`` and tokenizer files
@@ -275,11 +359,14 @@ def export_hf(
     ``out`` + ``.tmp`` and renames at the end: a failed export leaves nothing at ``out``.
     Returns ``{"files": [...], "tensors": N}``."""
     checkpoint, out = Path(checkpoint), Path(out)
+    _check_family(cfg, family)
     with CheckpointReader(checkpoint).opened() as (reader, _, _):
-        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes, text)
+        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes, text, family)
 
 
-def _export_hf(checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_bytes: int, text: dict | None) -> dict:
+def _export_hf(
+    checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_bytes: int, text: dict | None, family: str
+) -> dict:
     import shutil
 
     metadata = reader.read_metadata()
@@ -327,7 +414,7 @@ def _export_hf(checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, text), indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, text, family), indent=2))
     extras = write_text_files(text, tmp)
     if out.exists():
         shutil.rmtree(out)
@@ -353,25 +440,37 @@ def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig)
 
 
 def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30) -> dict:
-    """``export_hf`` with the model config the trainer recorded in the checkpoint (a llama's)."""
+    """``export_hf`` with the model and config the trainer recorded in the checkpoint."""
     try:
         recorded = CheckpointReader(checkpoint).extra(0).get("model")
     except (OSError, RuntimeError) as e:
         raise HFFormatError(f"{checkpoint}: cannot read the trainer's record extra/rank-0.pt ({e})") from None
-    if not recorded or recorded.get("name") != "llama" or not recorded.get("config"):
+    if not recorded or recorded.get("name") not in FAMILIES or not recorded.get("config"):
         raise HFFormatError(
-            f"{checkpoint}: no llama model config recorded (a checkpoint of another model, or written before "
-            "hpservice recorded it); Hugging Face export covers the built-in llama"
+            f"{checkpoint}: no model config of {', '.join(FAMILIES)} recorded (a checkpoint of another model, or "
+            "written before hpservice recorded it); Hugging Face export covers those built-in models"
         )
     cfg = LlamaConfig(**recorded["config"])
-    return export_hf(checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"))
+    return export_hf(
+        checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"), family=recorded["name"]
+    )
+
+
+def family_of(model: Llama) -> str:
+    """The family (``FAMILIES``' key) of one of our built-in decoder models."""
+    family = type(model).__name__.lower()
+    if family not in FAMILIES:
+        raise HFFormatError(f"{type(model).__name__} has no Hugging Face family (one of {', '.join(FAMILIES)})")
+    return family
 
 
 def save_hf_pretrained(model: Llama, out: str | Path) -> Path:
-    """Write an unsharded Llama in Hugging Face format (one safetensors file + config.json): a
-    model made here that transformers, or ``model.init_from``, can start from."""
+    """Write an unsharded model of ours (any family) in Hugging Face format (one safetensors file
+    + config.json): a model made here that transformers, or ``model.init_from``, can start from."""
     from safetensors.torch import save_file
 
+    family = family_of(model)
+    _check_family(model.cfg, family)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -379,5 +478,5 @@ def save_hf_pretrained(model: Llama, out: str | Path) -> Path:
         for n, p in model.named_parameters()
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(model.cfg), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, family=family), indent=2))
     return out

@@ -86,22 +86,38 @@ class LlamaConfig:
     rope_scaling: dict | None = None
     """Llama 3.1's long-context frequency scaling: ``{"rope_type": "llama3", "factor",
     "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``; None: plain."""
+    # The variants of the same decoder that other families use (``qwen2.py``, ``qwen3.py``,
+    # ``mistral.py``); a Llama leaves them at their defaults.
+    attn_head_dim: int | None = None
+    """Width of one attention head when it is not dim // n_heads (Hugging Face's ``head_dim``: Qwen3, Mistral)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head of the queries and keys, before the rotary embedding (Qwen3)."""
+    sliding_window: int | None = None
+    """Each token attends to itself and the sliding_window - 1 tokens before it (Mistral); None: all."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
-        if self.dim % self.n_heads != 0:
+        if self.attn_head_dim is None and self.dim % self.n_heads != 0:
             raise ValueError(f"LlamaConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"LlamaConfig.n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
             )
+        if self.attn_head_dim is not None and (
+            not isinstance(self.attn_head_dim, int) or isinstance(self.attn_head_dim, bool) or self.attn_head_dim <= 0
+        ):
+            raise ValueError(f"LlamaConfig.attn_head_dim must be a positive int or None, got {self.attn_head_dim!r}")
         if self.head_dim % 2 != 0:
-            raise ValueError(
-                f"LlamaConfig.dim // n_heads (head_dim = {self.head_dim}) must be even for rotary embeddings"
-            )
+            raise ValueError(f"LlamaConfig: the head width ({self.head_dim}) must be even for rotary embeddings")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window <= 0
+        ):
+            raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.hidden_dim is not None and (not isinstance(self.hidden_dim, int) or self.hidden_dim <= 0):
             raise ValueError(f"LlamaConfig.hidden_dim must be a positive int or None, got {self.hidden_dim!r}")
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
@@ -120,7 +136,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -186,6 +202,9 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -235,27 +254,37 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
     # Plain normal_, not trunc_normal_: recent torch implements trunc_normal_ by rejection sampling
     # with a data-dependent ``.any()`` loop, which sharded DTensor parameters do not support.
     nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
 
 
 class Attention(nn.Module):
     """Causal self-attention with grouped-query attention (n_kv_heads key/value heads shared by
-    groups of n_heads // n_kv_heads query heads) and rotary positions on q and k."""
+    groups of n_heads // n_kv_heads query heads) and rotary positions on q and k; optionally
+    q/k/v biases (``qkv_bias``), a per-head RMSNorm of q and k (``qk_norm``) and a sliding window."""
 
     def __init__(self, cfg: LlamaConfig, init_std: float = 0.02):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
+        self.sliding_window = cfg.sliding_window
         self.init_std = init_std  # std of the output projection (scaled down with depth)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # over each head's channels: the same weights for every head
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def reset_parameters(self) -> None:
         for linear in (self.wq, self.wk, self.wv):
             _init_linear(linear, 0.02)
         _init_linear(self.wo, self.init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def qkv(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries and keys, and values, ``[B, H, S, head_dim]`` (keys/values with the
@@ -264,6 +293,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         # [B, S, H, D] -> [B, H, S, D], the layout scaled_dot_product_attention expects.
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -286,7 +317,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, rope)
         k, v = self.expand_kv(k, v)
         # F.scaled_dot_product_attention, or ring attention inside context_parallel (no mask is ever materialised)
-        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, window=self.sliding_window)
         return self.project_out(out)
 
 
@@ -487,7 +518,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, *, attention: bool = True) -
     - ``6 * N``: each of the N matmul parameters (``matmul_params``) does one multiply-add (2 FLOPs)
       per token in the forward pass and two in the backward pass (gradients for input and weight).
     - ``12 * n_layers * dim * seq_len``: attention scores (q @ k^T) and the weighted sum (p @ v),
-      2 * 2 * dim * seq_len FLOPs per token and layer forward, times 3 with the backward. This counts
+      2 * 2 * dim * seq_len FLOPs (``n_heads * head_dim`` in place of dim where they differ) per token and layer forward, times 3 with the backward. This counts
       the full seq_len x seq_len score matrix even though causal attention needs about half.
 
     MFU = tokens_per_second * flops_per_token / peak_flops_per_second. ``attention=False`` leaves
@@ -496,4 +527,5 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, *, attention: bool = True) -
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    return 6 * matmul_params(cfg) + (12 * cfg.n_layers * cfg.dim * seq_len if attention else 0)
+    width = cfg.n_heads * cfg.head_dim  # dim for a Llama; Qwen3 and Mistral may differ
+    return 6 * matmul_params(cfg) + (12 * cfg.n_layers * width * seq_len if attention else 0)

@@ -346,10 +346,26 @@ def document_ids_from_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 _ACTIVE: list[ActiveAttention] = []
 
 
-def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None):
+def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, window: int | None = None):
     """``F.scaled_dot_product_attention`` (no mask, no dropout), or ring attention over the cp
     ranks inside ``context_parallel`` (blockwise document attention inside ``document_masking``):
-    what the built-in models call."""
+    what the built-in models call. ``window`` (causal only): each query attends to its own key
+    and the ``window - 1`` before it (Mistral's sliding window), as a boolean mask when the
+    sequence is longer than the window."""
+    if window is not None:
+        if not is_causal:
+            raise ValueError("scaled_dot_product_attention: a sliding window needs is_causal=True")
+        if _ACTIVE:
+            raise NotImplementedError(
+                "sliding-window attention (the model's sliding_window) with context parallelism or "
+                "data.document_mask is not built yet"
+            )
+        length = q.shape[-2]
+        if length > window:
+            i = torch.arange(length, device=q.device)
+            offset = i[:, None] - i[None, :]
+            mask = (offset >= 0) & (offset < window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if not _ACTIVE:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     return _ring_attention_eagerly(q, k, v, is_causal, scale)

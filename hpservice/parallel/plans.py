@@ -31,7 +31,9 @@ sequence (``S % tp != 0``) is fine: the shards are ``torch.chunk`` pieces.
 Between the colwise and rowwise projections, attention runs on the local heads: the colwise
 outputs are local tensors ``[B, S, (n_heads / tp) * head_dim]``, so ``apply_llama_tp`` divides each
 ``Attention``'s ``n_heads`` and ``n_kv_heads`` by ``tp`` (rotary embeddings, the GQA repeat and
-SDPA are per head, so they run unchanged on a rank's heads). Every rank must start from the same
+SDPA are per head, so they run unchanged on a rank's heads; so do Qwen3's per-head ``q_norm`` /
+``k_norm``, as ``SequenceParallel`` on the heads dim). Colwise biases (Qwen2) are sharded with
+their rows. Every rank must start from the same
 weights: the plan slices parameters locally.
 """
 
@@ -118,6 +120,11 @@ def llama_tp_plan(
             )
         else:
             plan.update({p + "attention.wo": RowwiseParallel(), p + "feed_forward.w2": RowwiseParallel()})
+        if getattr(model.cfg, "qk_norm", False):
+            # per head, on each rank's heads ([B, S, heads, head_dim]): weights replicated, their
+            # gradients (each rank's heads' part) all-reduced
+            for norm in ("q_norm", "k_norm"):
+                plan[p + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan.update(
             {
                 p + "attention.wq": ColwiseParallel(),

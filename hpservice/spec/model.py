@@ -33,8 +33,11 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    name: str = Field(
-        "llama", max_length=200, description="built-in model ('llama', 'mlp') or 'package.module:factory'"
+    name: str | None = Field(
+        None,
+        max_length=200,
+        description="built-in model (llama, qwen2, qwen3, mistral, mlp) or 'package.module:factory'; null: the "
+        "family of the init_from checkpoint, else llama",
     )
     flavor: str | None = Field(
         None,
@@ -49,8 +52,9 @@ class ModelSpec(_Section):
     init_from: str | None = Field(
         None,
         max_length=_MAX_PATH,
-        description="a Hugging Face checkpoint directory (config.json + safetensors): the llama takes its config "
-        "and starts from its weights (a fresh optimizer; resume_from continues a run of ours instead)",
+        description="a Hugging Face checkpoint directory (config.json + safetensors) of a Llama, Qwen2, Qwen3 or "
+        "Mistral: the model takes its family (model.name may be left out), its config, and starts from its "
+        "weights (a fresh optimizer; resume_from continues a run of ours instead)",
     )
 
     @model_validator(mode="after")
@@ -59,25 +63,31 @@ class ModelSpec(_Section):
         are resolved: ``hpservice.preflight.check_model``, the server's allowlist in the service.)"""
         from hpservice.models import list_flavors, list_models  # torch: only when a spec is validated
 
-        if self.name not in list_models() and self.flavor is not None:
+        name = "llama" if self.name is None else self.name
+        if name not in list_models() and self.flavor is not None:
             raise ValueError(
                 f"model.flavor: {self.flavor!r} only applies to the built-in models ({', '.join(list_models())}); "
-                f"{self.name!r} takes its settings from model.overrides (its factory's keyword arguments): "
+                f"{name!r} takes its settings from model.overrides (its factory's keyword arguments): "
                 "leave flavor out"
             )
         if self.flavor is not None and self.init_from is None:
-            flavors = list_flavors(self.name)
+            flavors = list_flavors(name)
             if self.flavor not in flavors:
                 raise ValueError(
-                    f"model.flavor: {self.flavor!r} is not a flavor of {self.name}; allowed: {', '.join(flavors)}"
+                    f"model.flavor: {self.flavor!r} is not a flavor of {name}; allowed: {', '.join(flavors)}"
                     + did_you_mean(self.flavor, flavors)
                 )
         return self
 
     @model_validator(mode="after")
-    def _init_from_llama(self):
-        if self.init_from is not None and self.name != "llama":
-            raise ValueError(f"model.init_from imports Hugging Face Llama checkpoints into the built-in llama, not {self.name!r}")
+    def _init_from_family(self):
+        from hpservice.models import HF_FAMILIES
+
+        if self.init_from is not None and self.name is not None and self.name not in HF_FAMILIES:
+            raise ValueError(
+                f"model.init_from imports Hugging Face checkpoints into {', '.join(HF_FAMILIES)}, not {self.name!r} "
+                "(leave model.name out to take the checkpoint's family)"
+            )
         return self
 
     @field_validator("overrides")

@@ -39,7 +39,15 @@ from hpservice.dtensor import random as dtensor_random
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hpservice.inputs import confine, open_input
 from hpservice.launch import free_port
-from hpservice.models import build_model, flops_per_token, list_models, model_config, num_params
+from hpservice.models import (
+    HF_FAMILIES,
+    build_model,
+    flops_per_token,
+    list_models,
+    model_config,
+    num_params,
+    resolve_name,
+)
 from hpservice.models.hf import load_hf_weights
 from hpservice.parallel import ParallelDims, vocab_parallel_cross_entropy
 from hpservice.parallel.context_parallel import context_parallel, document_ids_from_eos, document_masking
@@ -363,7 +371,8 @@ class Trainer:
         # fully_shard over the dp dims), then each rank allocates and initialises only its own
         # pieces: the full model never exists on one rank.
         m = spec.model
-        model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+        self.model_name = resolve_name(m.name, m.init_from)  # the family of an init_from checkpoint
+        model = build_model(self.model_name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
         frozen = set(freeze(model, spec.training.freeze))  # the patterns must match the whole model
         if self.cp_mesh is not None and "positions" not in inspect.signature(model.forward).parameters:
             raise TrainingError(
@@ -379,9 +388,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.model_config_dict = None
-        self.text_record = self._text_record() if self.rank == 0 and m.name == "llama" else None
-        if m.name in list_models():
-            config = model_config(m.name, m.flavor, m.overrides, m.init_from)
+        self.text_record = self._text_record() if self.rank == 0 and self.model_name in HF_FAMILIES else None
+        if self.model_name in list_models():
+            config = model_config(self.model_name, m.flavor, m.overrides, m.init_from)
             self.model_config_dict = dataclasses.asdict(config)
             vocab = spec.data.vocab_size or config.vocab_size
             flops = flops_per_token(config, spec.data.seq_len)
@@ -582,7 +591,7 @@ class Trainer:
             "dtensor_rng": dtensor_random.get_rng_state(),
             "data": {"seed": self.spec.data.seed, "step": self.step},
             # what the weights are, for exporting the checkpoint without the job spec (hpservice export --format hf)
-            "model": {"name": self.spec.model.name, "config": self.model_config_dict},
+            "model": {"name": self.model_name, "config": self.model_config_dict},
         }
         if self.rank == 0 and self.text_record is not None:  # what an HF export writes besides weights
             extra["model"]["text"] = self.text_record

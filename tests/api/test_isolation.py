@@ -2,6 +2,7 @@
 allows are 422 at submit (naming the field and the rule) and nothing is stored; accepted jobs
 write only under their own directory; tokens files are strict; tokens stay out of logs."""
 
+import json
 import logging
 import os
 
@@ -48,7 +49,7 @@ def _rejected(c, spec, field, fragment, token=ALICE):
 def test_model_factories_outside_the_allowlist_are_refused(tmp_path, factory):
     with _client(tmp_path) as c:
         spec = _spec(model={"name": factory, "flavor": None, "overrides": {"args": "touch /tmp/pwned"}})
-        _rejected(c, spec, "model.name", "not a built-in model nor a factory this server allows (allowed: llama, mlp")
+        _rejected(c, spec, "model.name", "not a built-in model nor a factory this server allows (allowed: llama, mistral, mlp, qwen2, qwen3")
 
 
 def test_allowed_factories_by_setting_and_entry_point(tmp_path, monkeypatch):
@@ -185,6 +186,11 @@ def test_init_from_reads_only_the_owners_jobs_or_a_data_root(tmp_path):
     (root / "llama-hf").mkdir(parents=True)
     (root / "llama-hf" / "config.json").write_text("{}")
     with _client(tmp_path, data_roots=(root,)) as c:
+        # read where it is allowed: a config of no family we import is refused before anything runs
+        _rejected(c, _spec(model={"init_from": str(root / "llama-hf")}), "model.init_from", "not a family we import")
+        llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 172, "vocab_size": 256,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+        (root / "llama-hf" / "config.json").write_text(json.dumps(llama))
         bobs = c.post("/v1/jobs", json=_spec(), headers=_auth(BOB)).json()
         theirs = f"{bobs['spec']['metrics']['dir']}/hf"
         _rejected(c, _spec(model={"init_from": theirs}), "model.init_from", "neither a checkpoint of alice's own jobs")

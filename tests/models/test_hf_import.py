@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import transformers  # a dev dependency: the reference implementation
 
-from hpservice.models.hf import HFFormatError, llama_config_from_hf, load_hf_weights
+from hpservice.models.hf import HFFormatError, config_from_hf, load_hf_weights
 from hpservice.models.llama import Llama
 
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -36,7 +36,7 @@ def _hf_checkpoint(path, *, heads=6, kv_heads=3, tied=False, **extra):
 
 def _ours(path, device="cpu"):
     with torch.device(device):
-        return Llama(llama_config_from_hf(path))
+        return Llama(config_from_hf(path))
 
 
 LLAMA3_ROPE = {
@@ -50,7 +50,7 @@ LLAMA3_ROPE = {
 )
 def test_one_process_equals_transformers(tmp_path, tied, extra):
     expected = _hf_checkpoint(tmp_path, tied=tied, **extra)
-    cfg = llama_config_from_hf(tmp_path)
+    cfg = config_from_hf(tmp_path)
     assert cfg.rope_theta == 50000.0 and (cfg.rope_scaling is not None) == bool(extra)  # read, not defaulted
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1  # the sharded format, with its index
     model = _ours(tmp_path)
@@ -136,13 +136,13 @@ def test_configs_we_cannot_compute_exactly_are_refused(tmp_path, extra, fragment
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **extra}))
     with pytest.raises(HFFormatError, match=r"config\.json") as info:
-        llama_config_from_hf(tmp_path)
+        config_from_hf(tmp_path)
     assert fragment in str(info.value)
 
 
 def test_shape_mismatches_and_missing_files_name_the_tensor(tmp_path):
     _hf_checkpoint(tmp_path)
-    cfg = llama_config_from_hf(tmp_path, hidden_dim=208)
+    cfg = config_from_hf(tmp_path, hidden_dim=208)
     with pytest.raises(HFFormatError, match=r"mlp.gate_proj.weight has shape \[200, 72\], our .*w1.weight needs \[208, 72\]"):
         load_hf_weights(Llama(cfg), tmp_path)
     (tmp_path / "model.safetensors.index.json").unlink()
@@ -150,7 +150,7 @@ def test_shape_mismatches_and_missing_files_name_the_tensor(tmp_path):
         load_hf_weights(_ours(tmp_path), tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(HFFormatError, match="not valid JSON"):
-        llama_config_from_hf(tmp_path)
+        config_from_hf(tmp_path)
 
 
 def _train_one_step(spec):

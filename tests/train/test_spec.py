@@ -19,7 +19,7 @@ def test_examples_are_valid(path):
 
 def test_defaults_and_aliases():
     spec = parse_job({"name": "a", "checkpoint": {"async": True}})
-    assert spec.checkpoint.async_ is True and spec.model.name == "llama" and spec.parallelism.dp_shard == -1
+    assert spec.checkpoint.async_ is True and spec.model.name is None and spec.parallelism.dp_shard == -1
     assert spec.parallelism.resolve(4) == (1, 4)
     assert parse_job({"name": "a", "parallelism": {"dp_replicate": 2}}).parallelism.resolve(4) == (2, 2)
 
@@ -113,7 +113,7 @@ def test_a_model_name_this_machine_cannot_resolve_is_refused_for_local_runs(tmp_
     from hpservice.preflight import check_model
 
     spec = parse_job({"name": "a", "model": {"name": "lama"}})  # a server might know it: the spec parses
-    assert check_model(spec) == [("model.name", "'lama' is neither a built-in model (llama, mlp) nor "
+    assert check_model(spec) == [("model.name", "'lama' is neither a built-in model (llama, mistral, mlp, qwen2, qwen3) nor "
                                              "'package.module:factory' (did you mean 'llama'?)")]  # fmt: skip
     job = tmp_path / "job.yaml"
     job.write_text("name: a\nmodel: {name: lama}\n")
