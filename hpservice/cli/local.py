@@ -163,11 +163,9 @@ def _load_for_generation(path: str):
     from pathlib import Path
 
     from hpservice.checkpoint import CheckpointReader
-    from hpservice.models import HF_FAMILIES, build_model, model_class
+    from hpservice.models import HF_FAMILIES, build_model, config_class, model_class
     from hpservice.models.hf import load_hf_weights
     from hpservice.models.hf_text import record_from_hf
-    from hpservice.models.llama import LlamaConfig
-
     p = Path(path)
     if (p / "config.json").is_file():
         model = build_model(None, init_from=str(p))
@@ -177,7 +175,7 @@ def _load_for_generation(path: str):
     recorded = checkpoint.extra(0).get("model") or {}
     if recorded.get("name") not in HF_FAMILIES or not recorded.get("config"):
         raise ValueError(f"{p}: not a checkpoint of {', '.join(HF_FAMILIES)} with its config recorded")
-    model = model_class(recorded["name"])(LlamaConfig(**recorded["config"]))
+    model = model_class(recorded["name"])(config_class(recorded["name"])(**recorded["config"]))
     checkpoint.load(model)
     return model, recorded.get("text")
 

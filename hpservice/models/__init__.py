@@ -6,6 +6,7 @@ Built-in models (each in one plain file):
 - ``"qwen2"`` (``qwen2.py``: q/k/v biases), ``"qwen3"`` (``qwen3.py``: per-head q/k norms, head
   width of its own), ``"mistral"`` (``mistral.py``: sliding window): the same decoder as the
   llama with those variants; flavors ``tiny`` and the released sizes.
+- ``"qwen3_moe"`` (``qwen3_moe.py``): Qwen3 with mixture-of-experts layers (``moe.py``).
 - ``"mlp"``: residual MLP for benchmarks (``mlp.py``); flavors ``tiny``, ``small``.
 
 A Hugging Face checkpoint (``init_from``) picks its family itself (``hf.hf_family``): its
@@ -64,6 +65,7 @@ from .mistral import MISTRAL_FLAVORS, Mistral
 from .mlp import MLP_FLAVORS, MLPConfig, MLPModel
 from .qwen2 import QWEN2_FLAVORS, Qwen2
 from .qwen3 import QWEN3_FLAVORS, Qwen3
+from .qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3Moe, Qwen3MoeConfig
 
 __all__ = [
     "HF_FAMILIES",
@@ -72,6 +74,7 @@ __all__ = [
     "MLP_FLAVORS",
     "QWEN2_FLAVORS",
     "QWEN3_FLAVORS",
+    "QWEN3_MOE_FLAVORS",
     "Llama",
     "LlamaConfig",
     "MLPConfig",
@@ -79,7 +82,10 @@ __all__ = [
     "Mistral",
     "Qwen2",
     "Qwen3",
+    "Qwen3Moe",
+    "Qwen3MoeConfig",
     "build_model",
+    "config_class",
     "flops_per_token",
     "list_flavors",
     "list_models",
@@ -105,9 +111,10 @@ _BUILTINS: dict[str, _Builtin] = {
     "qwen2": _Builtin(LlamaConfig, Qwen2, QWEN2_FLAVORS),
     "qwen3": _Builtin(LlamaConfig, Qwen3, QWEN3_FLAVORS),
     "mistral": _Builtin(LlamaConfig, Mistral, MISTRAL_FLAVORS),
+    "qwen3_moe": _Builtin(Qwen3MoeConfig, Qwen3Moe, QWEN3_MOE_FLAVORS),
     "mlp": _Builtin(MLPConfig, MLPModel, MLP_FLAVORS),
 }
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 """The built-ins that import and export Hugging Face checkpoints (``hf.py``)."""
 
 
@@ -194,6 +201,11 @@ def build_model(
 def model_class(name: str) -> type[nn.Module]:
     """The class of a built-in model (``Llama``, ``Qwen3``, ...), built from its config alone."""
     return _builtin(name).model_cls
+
+
+def config_class(name: str) -> type:
+    """The config dataclass of a built-in model (``LlamaConfig``, ``Qwen3MoeConfig``, ...)."""
+    return _builtin(name).config_cls
 
 
 def flops_per_token(cfg: LlamaConfig | MLPConfig, seq_len: int, *, attention: bool = True) -> int:

@@ -36,6 +36,7 @@ import torch
 from hpservice.checkpoint._reader import CheckpointReader, dcp_load
 from hpservice.inputs import InputError, open_input, opened_path
 
+from . import config_class, model_class
 from .hf_text import write_text_files
 from .llama import Llama, LlamaConfig
 
@@ -49,6 +50,8 @@ __all__ = [
     "hf_config",
     "hf_family",
     "hf_name",
+    "hf_names",
+    "hf_tensors",
     "load_hf_weights",
     "save_hf_pretrained",
 ]
@@ -59,6 +62,7 @@ FAMILIES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -131,7 +135,7 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
         refuse("attention_bias", (None, False), "biases on all four attention projections are not implemented")
     refuse("mlp_bias", (None, False), "our MLP projections have no bias")
     refuse("hidden_act", (None, "silu"), "our MLP is SwiGLU with SiLU")
-    if found in ("qwen2", "qwen3"):
+    if found in ("qwen2", "qwen3", "qwen3_moe"):
         refuse("use_sliding_window", (None, False), "Qwen's per-layer sliding windows are not implemented")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -149,11 +153,35 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
         "max_seq_len": cfg.get("max_position_embeddings", 2048),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "qkv_bias": found == "qwen2",
-        "qk_norm": found == "qwen3",
+        "qk_norm": found in ("qwen3", "qwen3_moe"),
         "sliding_window": cfg.get("sliding_window") if found == "mistral" else None,
     }
+    if found == "qwen3_moe":
+        fields.update(_moe_fields(cfg, where))
     fields.update(overrides)
-    return LlamaConfig(**fields)
+    return config_class(found)(**fields)
+
+
+def _moe_fields(cfg: dict, where: Path) -> dict:
+    """``Qwen3MoeConfig``'s own fields from a ``qwen3_moe`` config.json."""
+    dense = list(cfg.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise HFFormatError(
+            f"{where}: mlp_only_layers = {dense!r} is not supported: dense layers must be the first ones (0, 1, ...)"
+        )
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 4's name, 5's
+    if experts is None:
+        raise HFFormatError(f"{where}: no num_experts (or num_local_experts)")
+    return {
+        "num_experts": experts,
+        "experts_per_token": cfg["num_experts_per_tok"],
+        "moe_hidden_dim": cfg["moe_intermediate_size"],
+        "moe_every": cfg.get("decoder_sparse_step", 1),
+        "first_dense_layers": len(dense),
+        "route_norm": bool(cfg.get("norm_topk_prob", False)),
+        # transformers adds its auxiliary loss only when output_router_logits is set
+        "aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0,
+    }
 
 
 _BLOCK_NAMES = {
@@ -171,13 +199,38 @@ _BLOCK_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
+}
+# our stacked experts' tensors [E, ...] -> Hugging Face's one tensor per expert
+_EXPERTS = {
+    "feed_forward.experts.w1": "mlp.experts.{}.gate_proj.weight",
+    "feed_forward.experts.w3": "mlp.experts.{}.up_proj.weight",
+    "feed_forward.experts.w2": "mlp.experts.{}.down_proj.weight",
 }
 # rows (or channels) rotated by the rotary embedding, in our interleaved order
 _ROTARY = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias", "q_norm.weight", "k_norm.weight")
 
 
+def hf_names(name: str, shape: tuple[int, ...]) -> list[str]:
+    """The Hugging Face tensors of one of our parameters of ``shape``: one, or one per expert."""
+    parts = name.split(".")
+    rest = ".".join(parts[2:])
+    if parts[0] == "layers" and rest in _EXPERTS:
+        return [f"model.layers.{parts[1]}.{_EXPERTS[rest].format(e)}" for e in range(shape[0])]
+    return [hf_name(name)]
+
+
+def hf_tensors(name: str, value: torch.Tensor, head_dim: int) -> dict[str, torch.Tensor]:
+    """One of our parameters' values as Hugging Face's tensors (rotary rows reordered, expert
+    stacks split), contiguous for safetensors."""
+    if ".".join(name.split(".")[2:]) in _EXPERTS:
+        return {key: value[e].contiguous() for e, key in enumerate(hf_names(name, tuple(value.shape)))}
+    return {hf_name(name): _to_hf_layout(name, value, head_dim).contiguous()}
+
+
 def hf_name(name: str) -> str:
-    """The Hugging Face tensor name of one of our decoder's parameters (every family's)."""
+    """The Hugging Face tensor name of one of our decoder's parameters (every family's; an
+    expert stack has one per expert: ``hf_names``)."""
     parts = name.split(".")
     if name == "tok_embeddings.weight":
         return "model.embed_tokens.weight"
@@ -259,6 +312,9 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
     files = _SafetensorsDir(path)
     head_dim = model.cfg.head_dim
     for name, param in model.named_parameters():  # a tied head appears once, as the embedding
+        if ".".join(name.split(".")[2:]) in _EXPERTS:
+            _load_experts(files, name, param)
+            continue
         key = hf_name(name)
         if key == "model.embed_tokens.weight" and key not in files.where and model.cfg.tie_embeddings:
             key = "lm_head.weight"
@@ -277,6 +333,22 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
         else:
             value = source[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
         local.copy_(value.to(local.dtype))
+
+
+def _load_experts(files: _SafetensorsDir, name: str, param: torch.Tensor) -> None:
+    """Our stacked ``[E, rows, cols]`` expert weight from the checkpoint's one tensor per expert,
+    only the experts and the rectangle of each that this rank's piece covers."""
+    keys = hf_names(name, tuple(param.shape))
+    offset, local_shape, local = _region(param)
+    for key in keys:
+        shape = tuple(files.slice(key).get_shape())
+        if shape != tuple(param.shape[1:]):
+            raise HFFormatError(f"{files.path}: tensor {key} has shape {list(shape)}, our {name} needs {list(param.shape[1:])} per expert")
+    if local.numel() == 0:
+        return
+    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True))
+    for i in range(local_shape[0]):
+        local[i].copy_(files.slice(keys[offset[0] + i])[inner].to(local.dtype))
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -308,12 +380,23 @@ def hf_config(cfg: LlamaConfig, text: dict | None = None, family: str = "llama")
     }
     if family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
-        if family == "qwen3":
+        if family != "qwen2":
             config["attention_bias"] = False
     else:
         config["sliding_window"] = cfg.sliding_window
+    if family == "qwen3_moe":
+        config.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            moe_intermediate_size=cfg.moe_hidden_dim,
+            decoder_sparse_step=cfg.moe_every,
+            mlp_only_layers=list(range(cfg.first_dense_layers)),
+            norm_topk_prob=cfg.route_norm,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+            output_router_logits=cfg.aux_loss_coef > 0,
+        )
     return {**config, **((text or {}).get("config") or {})}
 
 
@@ -322,8 +405,10 @@ def _check_family(cfg: LlamaConfig, family: str) -> None:
     if family not in FAMILIES:
         raise HFFormatError(f"Hugging Face export covers {', '.join(FAMILIES)}, not {family!r}")
     uses = {"qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm, "sliding_window": cfg.sliding_window is not None}
-    has = {"qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"}, "mistral": {"sliding_window"}}.get(family, set())
+    has = {"qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"}, "mistral": {"sliding_window"}, "qwen3_moe": {"qk_norm"}}.get(family, set())
     missing = [k for k, used in uses.items() if used and k not in has] + [k for k in has if k != "sliding_window" and not uses[k]]
+    if getattr(cfg, "bias_update_rate", 0):  # the routing biases change routing; transformers' Qwen3-MoE has none
+        missing.append("bias_update_rate")
     if missing:
         raise HFFormatError(
             f"a {family} model with these settings ({', '.join(f'{k}={getattr(cfg, k)!r}' for k in missing)}) "
@@ -376,7 +461,7 @@ def _export_hf(
         if path[0] == "model" and hasattr(md, "size"):
             ours[path[1]] = md
     with torch.device("meta"):
-        wanted = {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}  # a tied head appears once
+        wanted = {n: tuple(p.shape) for n, p in model_class(family)(cfg).named_parameters()}  # a tied head appears once
     problems = [f"{n} is missing" for n in wanted if n not in ours] + [
         f"{n} has shape {list(ours[n].size)}, the config needs {list(shape)}"
         for n, shape in wanted.items()
@@ -385,7 +470,7 @@ def _export_hf(
     if problems:
         raise HFFormatError(f"{checkpoint}: does not hold the model of this config: {'; '.join(problems)}")
     names = list(wanted)
-    expected = {hf_name(n) for n in names}
+    expected = {key for n in names for key in hf_names(n, wanted[n])}
     groups, size = [[]], 0
     for n in names:
         md = ours[n]
@@ -432,7 +517,7 @@ def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig)
         targets = {n: torch.empty(tuple(ours[n].size), dtype=ours[n].properties.dtype) for n in group}
         dcp_load({"model": targets}, reader, tmp, planner=DefaultLoadPlanner(allow_partial_load=True))
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {hf_name(n): _to_hf_layout(n, t, cfg.head_dim).contiguous() for n, t in targets.items()}
+        tensors = {k: v for n, t in targets.items() for k, v in hf_tensors(n, t, cfg.head_dim).items()}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         files.append((fname, list(tensors)))
         del targets, tensors
@@ -450,7 +535,7 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
             f"{checkpoint}: no model config of {', '.join(FAMILIES)} recorded (a checkpoint of another model, or "
             "written before hpservice recorded it); Hugging Face export covers those built-in models"
         )
-    cfg = LlamaConfig(**recorded["config"])
+    cfg = config_class(recorded["name"])(**recorded["config"])
     return export_hf(
         checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"), family=recorded["name"]
     )
@@ -458,10 +543,10 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
 
 def family_of(model: Llama) -> str:
     """The family (``FAMILIES``' key) of one of our built-in decoder models."""
-    family = type(model).__name__.lower()
-    if family not in FAMILIES:
-        raise HFFormatError(f"{type(model).__name__} has no Hugging Face family (one of {', '.join(FAMILIES)})")
-    return family
+    for family in FAMILIES:
+        if type(model) is model_class(family):
+            return family
+    raise HFFormatError(f"{type(model).__name__} has no Hugging Face family (one of {', '.join(FAMILIES)})")
 
 
 def save_hf_pretrained(model: Llama, out: str | Path) -> Path:
@@ -474,8 +559,7 @@ def save_hf_pretrained(model: Llama, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
-        hf_name(n): _to_hf_layout(n, p.detach(), model.cfg.head_dim).contiguous().cpu()
-        for n, p in model.named_parameters()
+        k: v.cpu() for n, p in model.named_parameters() for k, v in hf_tensors(n, p.detach(), model.cfg.head_dim).items()
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model.cfg, family=family), indent=2))

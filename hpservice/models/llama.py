@@ -149,6 +149,10 @@ class LlamaConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    def ffn_matmul_params(self, layer_id: int) -> int:
+        """Matmul parameters block ``layer_id``'s feed-forward applies to each token (SwiGLU: 3 matrices)."""
+        return 3 * self.dim * self.ffn_hidden_dim
+
 
 LLAMA_FLAVORS: dict[str, LlamaConfig] = {
     # Runs in well under a second on a laptop CPU: for tests.
@@ -384,7 +388,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.build_block(i, cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -396,6 +400,10 @@ class Llama(nn.Module):
             persistent=False,
         )
         self.init_weights()
+
+    def build_block(self, layer_id: int, cfg: LlamaConfig) -> nn.Module:
+        """Block ``layer_id`` (a family with other blocks, e.g. mixture-of-experts ones, overrides this)."""
+        return TransformerBlock(layer_id, cfg)
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks (``self.layers``' values), the unit the trainer shards / checkpoints."""
@@ -418,12 +426,16 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Recompute the rotary table on the parameters' device (after ``to_empty`` / ``fully_shard``
-        of a meta-built model whose weights come from elsewhere, e.g. a Hugging Face checkpoint)."""
+        """Recompute the rotary table (and the submodules' buffers: ``init_buffers``) on the
+        parameters' device (after ``to_empty`` / ``fully_shard`` of a meta-built model whose
+        weights come from elsewhere, e.g. a Hugging Face checkpoint)."""
         device = next(self.parameters()).device
         self.rope_cache = precompute_rope(
             self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling
         )
+        for module in self.modules():  # e.g. a mixture of experts' routing biases
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -502,11 +514,13 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
 def matmul_params(cfg: LlamaConfig) -> int:
     """Parameters that take part in a matmul for every token: all Linear weights of the blocks plus
     the output head (counted even when tied to the embedding: the head matmul still runs). The
-    embedding lookup is a gather and the norms are elementwise, so neither costs matmul FLOPs."""
+    embedding lookup is a gather and the norms are elementwise, so neither costs matmul FLOPs.
+    A mixture-of-experts layer counts its router and the experts a token is routed to (the active
+    parameters: ``cfg.ffn_matmul_params``)."""
     hd = cfg.head_dim
     attention = cfg.dim * cfg.n_heads * hd * 2 + cfg.dim * cfg.n_kv_heads * hd * 2  # wq, wo + wk, wv
-    ffn = 3 * cfg.dim * cfg.ffn_hidden_dim
-    return cfg.n_layers * (attention + ffn) + cfg.dim * cfg.vocab_size
+    ffn = sum(cfg.ffn_matmul_params(i) for i in range(cfg.n_layers))
+    return cfg.n_layers * attention + ffn + cfg.dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int, *, attention: bool = True) -> int:

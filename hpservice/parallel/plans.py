@@ -33,7 +33,9 @@ outputs are local tensors ``[B, S, (n_heads / tp) * head_dim]``, so ``apply_llam
 ``Attention``'s ``n_heads`` and ``n_kv_heads`` by ``tp`` (rotary embeddings, the GQA repeat and
 SDPA are per head, so they run unchanged on a rank's heads; so do Qwen3's per-head ``q_norm`` /
 ``k_norm``, as ``SequenceParallel`` on the heads dim). Colwise biases (Qwen2) are sharded with
-their rows. Every rank must start from the same
+their rows. A mixture-of-experts feed-forward (Qwen3-MoE) runs whole on every tp rank (the
+same tokens, routing and experts; with sequence parallelism its input is all-gathered and its
+output cut back to each rank's piece); expert parallelism is what splits experts. Every rank must start from the same
 weights: the plan slices parameters locally.
 """
 
@@ -47,6 +49,7 @@ from .style import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -102,8 +105,9 @@ def llama_tp_plan(
         if vocab_parallel_embedding:
             plan["tok_embeddings"] = RowwiseParallel()  # ids Replicate, output Replicate (a plain tensor)
         plan["output"] = ColwiseParallel(use_local_output=False)
-    for key in model.layers:
+    for key, block in model.layers.items():
         p = f"layers.{key}."
+        dense = hasattr(block.feed_forward, "w1")  # else a mixture of experts: replicated on the tp ranks
         if sequence_parallel:
             plan.update(
                 {
@@ -114,26 +118,28 @@ def llama_tp_plan(
                     ),
                     p + "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=False),
                     p + "ffn_norm": SequenceParallel(),
-                    p + "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                    p + "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=False),
                 }
             )
+            if dense:
+                plan[p + "feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+                plan[p + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq, use_local_output=False)
+            else:  # the whole sequence in (all-gathered), each rank's piece of it out
+                plan[p + "feed_forward"] = PrepareModuleInputOutput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=False,
+                )  # fmt: skip
         else:
-            plan.update({p + "attention.wo": RowwiseParallel(), p + "feed_forward.w2": RowwiseParallel()})
+            plan[p + "attention.wo"] = RowwiseParallel()
+            if dense:
+                plan[p + "feed_forward.w2"] = RowwiseParallel()
         if getattr(model.cfg, "qk_norm", False):
             # per head, on each rank's heads ([B, S, heads, head_dim]): weights replicated, their
             # gradients (each rank's heads' part) all-reduced
             for norm in ("q_norm", "k_norm"):
                 plan[p + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan.update(
-            {
-                p + "attention.wq": ColwiseParallel(),
-                p + "attention.wk": ColwiseParallel(),
-                p + "attention.wv": ColwiseParallel(),
-                p + "feed_forward.w1": ColwiseParallel(),
-                p + "feed_forward.w3": ColwiseParallel(),
-            }
-        )
+        plan.update({p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(), p + "attention.wv": ColwiseParallel()})
+        if dense:
+            plan.update({p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel()})
     # a pipeline stage (Llama.keep_stage) holds the embedding only first, the norm and head only last
     return {fqn: style for fqn, style in plan.items() if getattr(model, fqn.split(".")[0], None) is not None}
 

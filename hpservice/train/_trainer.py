@@ -49,6 +49,7 @@ from hpservice.models import (
     resolve_name,
 )
 from hpservice.models.hf import load_hf_weights
+from hpservice.models.moe import expert_loads, mean_aux_loss, moe_layers, update_expert_biases
 from hpservice.parallel import ParallelDims, vocab_parallel_cross_entropy
 from hpservice.parallel.context_parallel import context_parallel, document_ids_from_eos, document_masking
 from hpservice.parallel.context_parallel import positions as cp_positions
@@ -385,14 +386,21 @@ class Trainer:
         self.model_parts = [self._lay_out(part, frozen, first=s == 0, last=s == last) for s, part in stages]
         self._loss = torch.compile(cross_entropy_loss) if spec.training.compile else cross_entropy_loss
         self.pipeline = self._pipeline([s for s, _ in stages]) if self.pp_mesh is not None else None
+        # mixture-of-experts layers: their aux loss's gradient scale, load metrics, routing biases
+        self.moe = {k: v for part in self.model_parts for k, v in moe_layers(part).items()}
+        n_micro = 1 if self.pp_mesh is not None else spec.training.grad_accum  # the pipeline divides its own
+        for layer in self.moe.values():
+            layer.aux_loss_scale = 1.0 / n_micro
         self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.model_config_dict = None
+        self._bias_update_rate = 0.0
         self.text_record = self._text_record() if self.rank == 0 and self.model_name in HF_FAMILIES else None
         if self.model_name in list_models():
             config = model_config(self.model_name, m.flavor, m.overrides, m.init_from)
             self.model_config_dict = dataclasses.asdict(config)
             vocab = spec.data.vocab_size or config.vocab_size
+            self._bias_update_rate = getattr(config, "bias_update_rate", 0.0)
             flops = flops_per_token(config, spec.data.seq_len)
             flops_no_attention = flops_per_token(config, spec.data.seq_len, attention=False)
         else:  # a custom factory: the 6N estimate
@@ -702,11 +710,37 @@ class Trainer:
             "time": time.time(),  # wall clock at the end of the step (step periods, latency)
             **self.utilisation.record(tokens / elapsed / self.world),
         }
+        if self.moe:
+            record.update(self._moe_step())
         interval = spec.eval.interval
         if interval and (self.step % interval == 0 or self.step == spec.training.steps):
             record.update(self.evaluate())
         self._report(record)
         return record
+
+    def _moe_step(self) -> dict:
+        """After the optimizer step: the step's expert loads (tokens per expert of each layer,
+        summed over the ranks that saw other tokens), the routing biases moved toward balance
+        (``bias_update_rate``), and the metrics: ``expert_load`` (layer -> tokens per expert),
+        ``expert_imbalance`` (the largest max / mean load of a layer) and ``moe_aux_loss``
+        (this rank's). Under pipeline parallelism, of the layers of this rank's stages."""
+        loads = expert_loads(self.moe, reduce=self._sum_over_token_ranks)
+        if self._bias_update_rate:
+            update_expert_biases(self.moe, loads, self._bias_update_rate)
+        imbalance = max(max(row) / max(sum(row) / len(row), 1e-9) for row in loads.values())
+        record = {"expert_load": loads, "expert_imbalance": imbalance}
+        aux = mean_aux_loss(self.moe)
+        if aux is not None:
+            record["moe_aux_loss"] = aux
+        return record
+
+    def _sum_over_token_ranks(self, t: torch.Tensor) -> None:
+        """Sum ``t`` in place over the ranks that see other tokens (data-parallel and context-
+        parallel; tensor-parallel ranks see the same ones)."""
+        if self.world == 1:
+            return
+        for name in self.parallel_dims.fsdp_dim_names:
+            dist.all_reduce(t, group=self.parallel_dims.world_mesh[name].get_group())
 
     def _micro_batch_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean loss of a micro-batch, ``x, y [B, S]``. Under context parallelism, of this

@@ -22,6 +22,12 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
     "mistral": (transformers.MistralConfig, {"head_dim": 24, "sliding_window": 5}),
+    # 6 experts, 2 per token, the first layer dense
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        {"head_dim": 24, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+         "mlp_only_layers": [0], "norm_topk_prob": True},
+    ),
 }
 
 
@@ -39,7 +45,7 @@ def _hf_checkpoint(path, family, *, tied=False):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or name.endswith("mlp.gate.weight"):  # distinct routing scores
                 p.normal_(0, 0.5)
     model.save_pretrained(path, max_shard_size="40KB")
     with torch.no_grad():
@@ -53,14 +59,16 @@ def _ours(path, device="cpu"):
     return model
 
 
-@pytest.mark.parametrize(("family", "tied"), [("qwen2", False), ("qwen3", False), ("qwen3", True), ("mistral", False)])
+@pytest.mark.parametrize(
+    ("family", "tied"), [("qwen2", False), ("qwen3", False), ("qwen3", True), ("mistral", False), ("qwen3_moe", False)]
+)
 def test_one_process_equals_transformers_and_saves_back(tmp_path, family, tied):
     from hpservice.models.generate import generate
 
     expected = _hf_checkpoint(tmp_path / "hf", family, tied=tied)
     assert hf_family(tmp_path / "hf") == family
     model = _ours(tmp_path / "hf")
-    assert type(model).__name__.lower() == family and model.cfg.tie_embeddings == tied
+    assert type(model).__name__.lower() == family.replace("_", "") and model.cfg.tie_embeddings == tied
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), expected, rtol=0, atol=1e-5)
     # greedy generation with the key/value cache (past Mistral's window of 5) equals transformers'
@@ -103,7 +111,7 @@ def _sharded_imports(path, expected):
     return True
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
 def test_tensor_parallel_and_fully_shard_imports_equal_transformers(ranks, tmp_path, family):
     expected = _hf_checkpoint(tmp_path, family)
     assert ranks(2).run(_sharded_imports, str(tmp_path), expected) == [True, True]
@@ -137,7 +145,7 @@ def _grads_like_one_device(family, sequence_parallel):
     return True
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
 def test_tensor_parallel_gradients_equal_one_device(ranks, family):
     assert ranks(2).run(_grads_like_one_device, family, False) == [True, True]
     assert ranks(2).run(_grads_like_one_device, family, True) == [True, True]
@@ -149,7 +157,7 @@ def _train(spec):
     return [r["loss"] for r in train(spec)]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
 def test_tp_with_sequence_parallel_trains_like_one_process(ranks, tmp_path, family):
     """tp 2 with SP: q/k biases and norms get their whole gradients (the norms' per-head parts
     all-reduced); every step's loss equals one process's. Mistral's window (16) is shorter than
@@ -171,7 +179,7 @@ def _fine_tune(spec):
     return True
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
 def test_init_from_alone_fine_tunes_and_exports_to_transformers(ranks, tmp_path, family):
     """A job with only ``model.init_from`` (no name) trains the checkpoint's family on 2 FSDP ranks
     from its weights; its checkpoint, exported, loads in transformers as that family with our logits."""
@@ -225,6 +233,6 @@ def test_a_spec_naming_another_family_is_refused_before_it_starts(tmp_path):
     spec = tiny_llama_job(tmp_path, model={"name": "llama", "flavor": None, "init_from": str(tmp_path / "hf")})
     with pytest.raises(SpecError, match=r"model.init_from: .*a qwen3 checkpoint \(Qwen3ForCausalLM\), not a llama one"):
         preflight(spec)
-    with pytest.raises(SpecError, match=r"imports Hugging Face checkpoints into llama, qwen2, qwen3, mistral, not 'mlp'"):
+    with pytest.raises(SpecError, match=r"imports Hugging Face checkpoints into llama, qwen2, qwen3, mistral, qwen3_moe, not 'mlp'"):
         tiny_llama_job(tmp_path, model={"name": "mlp", "flavor": None, "init_from": str(tmp_path / "hf")})
     assert config_from_hf(tmp_path / "hf").qk_norm and config_from_hf(tmp_path / "hf").attn_head_dim == 24

@@ -1,0 +1,131 @@
+"""Mixture-of-experts building blocks (``hpservice.models.moe``) checked directly: routing
+invariants, the layer against a per-token loop written here, the auxiliary loss against its
+formula and its gradient against autograd of the summed loss, the aux-loss-free bias update;
+and Qwen3-MoE training on 2 data-parallel ranks equal to one process, biases and aux loss
+included, resuming from a checkpoint exactly."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpservice.models.moe import MoE, TokenChoiceTopKRouter, expert_loads, update_expert_biases
+
+X = torch.randn(40, 16, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_every_token_reaches_top_k_distinct_experts_and_weights_sum_as_defined(score_func):
+    torch.manual_seed(0)
+    router = TokenChoiceTopKRouter(16, 8, 3, score_func=score_func, route_norm=True, route_scale=2.5)
+    weights, experts, scores = router(X)
+    assert experts.shape == (40, 3) and all(len(set(row.tolist())) == 3 for row in experts)
+    torch.testing.assert_close(weights.sum(-1), torch.full((40,), 2.5))  # normalised, then scaled
+    top = scores.topk(3, dim=-1)
+    assert torch.equal(experts, top.indices)  # no bias, no groups: the best scores
+    plain = TokenChoiceTopKRouter(16, 8, 3, score_func=score_func)
+    plain.load_state_dict(router.state_dict())
+    torch.testing.assert_close(plain(X)[0], top.values)  # without route_norm: the raw scores
+
+
+def test_a_bias_changes_the_choice_not_the_weights_and_groups_limit_it():
+    torch.manual_seed(0)
+    router = TokenChoiceTopKRouter(16, 8, 2, score_func="sigmoid")
+    bias = torch.zeros(8)
+    bias[5] = 10.0  # expert 5 chosen by every token, weighted by its own score
+    weights, experts, scores = router(X, bias)
+    assert (experts == 5).any(-1).all()
+    torch.testing.assert_close(weights, scores.gather(-1, experts))
+    grouped = TokenChoiceTopKRouter(16, 8, 2, score_func="sigmoid", num_expert_groups=4, num_limited_groups=1)
+    grouped.load_state_dict(router.state_dict())
+    _, experts, scores = grouped(X)
+    assert torch.equal(experts // 2, experts[:, :1].expand(-1, 2) // 2)  # both from one group of 2
+    best_group = scores.view(40, 4, 2).sum(-1).argmax(-1)  # with 2 per group, its two best are both
+    assert torch.equal(experts[:, 0] // 2, best_group)
+
+
+def test_the_layer_equals_a_per_token_loop_and_counts_its_tokens():
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 6, 2, route_norm=True, shared_hidden_dim=20)
+    x = X.view(4, 10, 16)
+    out = moe(x)
+    weights, experts, _ = moe.router(X)
+    e = moe.experts
+    expected = torch.stack([
+        sum(w * F.linear(F.silu(F.linear(t, e.w1[i])) * F.linear(t, e.w3[i]), e.w2[i]) for w, i in zip(ws, ids, strict=True))
+        for t, ws, ids in zip(X, weights, experts.tolist(), strict=True)
+    ]) + moe.shared_experts(X)  # fmt: skip
+    torch.testing.assert_close(out.view(40, 16), expected, rtol=0, atol=1e-6)
+    loads = expert_loads({"0": moe})
+    assert loads["0"] == torch.bincount(experts.flatten(), minlength=6).float().tolist() and sum(loads["0"]) == 80
+    assert moe.tokens_per_expert.sum() == 0  # read and zeroed
+
+
+@pytest.mark.parametrize(("score_func", "kind"), [("softmax", "batch"), ("sigmoid", "sequence")])
+def test_the_aux_loss_is_its_formula_and_its_gradient_joins_the_backward(score_func, kind):
+    torch.manual_seed(0)
+    coef, scale = 0.1, 0.5
+    moe = MoE(16, 24, 6, 2, score_func=score_func, aux_loss_coef=coef, aux_loss=kind)
+    moe.aux_loss_scale = scale
+    x = X.view(4, 10, 16)
+    moe(x).square().sum().backward()
+    ours = moe.router.gate.weight.grad.clone()
+    # the formula, written out: per group (the batch, or each sequence) E * sum_e f_e * P_e
+    moe.zero_grad()
+    moe.aux_loss_coef = 0.0
+    out = moe(x)
+    _, experts, scores = moe.router(X)
+    if score_func == "sigmoid":
+        scores = scores / scores.sum(-1, keepdim=True)
+    groups = 4 if kind == "sequence" else 1
+    chosen = F.one_hot(experts, 6).sum(1).float().view(groups, -1, 6)
+    f, p = chosen.mean(1) / 2, scores.view(groups, -1, 6).mean(1)
+    aux = coef * 6 * (f * p).sum(-1).mean()
+    (out.square().sum() + scale * aux).backward()
+    torch.testing.assert_close(ours, moe.router.gate.weight.grad, rtol=1e-5, atol=1e-7)
+    assert aux > 0
+
+
+def test_the_bias_update_moves_toward_balance():
+    moe = MoE(16, 24, 4, 1, score_func="sigmoid")
+    loads = {"0": [70.0, 10.0, 10.0, 10.0]}
+    update_expert_biases({"0": moe}, loads, 0.01)
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.01, 0.01, 0.01, 0.01]))
+    for _ in range(300):  # routed with the bias, the load evens out
+        moe(X.view(4, 10, 16))
+        update_expert_biases({"0": moe}, expert_loads({"0": moe}), 0.01)
+    moe(X.view(4, 10, 16))
+    assert max(expert_loads({"0": moe})["0"]) <= 15  # of 40: from a skewed start to near 10 each
+
+
+def _train(spec):
+    from tests._jobs import train
+
+    return train(spec)
+
+
+def _moe_job(tmp, **sections):
+    from tests._jobs import tiny_llama_job
+
+    overrides = {"aux_loss_coef": 0.01, "bias_update_rate": 0.001}
+    return tiny_llama_job(
+        tmp, model={"name": "qwen3_moe", "flavor": "tiny", "overrides": overrides},
+        training={"steps": 6, "max_grad_norm": 1.0, **sections.pop("training", {})}, **sections,
+    )  # fmt: skip
+
+
+def test_data_parallel_moe_training_equals_one_process_and_resumes_exactly(ranks, tmp_path):
+    """2 FSDP ranks (each on its half of the batch) and one process on the same halves as
+    micro-batches: every step's loss, aux loss and expert loads agree, the routing biases
+    included; a run stopped at step 3 and resumed gives the same last steps."""
+    two = ranks(2).run(_train, _moe_job(tmp_path / "dp", checkpoint={"interval": 3}))[0]
+    one = ranks(1).run(_train, _moe_job(tmp_path / "one", training={"grad_accum": 2}))[0]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    assert [r["expert_load"] for r in two] == [r["expert_load"] for r in one]
+    assert list(two[0]["expert_load"]) == ["1"] and sum(two[0]["expert_load"]["1"]) == 8 * 32 * 2  # tokens x top-2
+    assert all(r["moe_aux_loss"] > 0 and r["expert_imbalance"] >= 1 for r in two)
+    assert two[-1]["loss"] < two[0]["loss"]
+    step3 = str(tmp_path / "dp" / "ckpt" / "step-00000003")
+    resumed = ranks(2).run(_train, _moe_job(tmp_path / "again", checkpoint={"interval": 3, "resume_from": step3}))[0]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in two[3:]], abs=1e-6)
+    assert [r["expert_load"] for r in resumed] == [r["expert_load"] for r in two[3:]]
