@@ -20,6 +20,13 @@ The world is laid out as one device mesh, outermost dim first::
   number of tokens.
 - ``tp``: tensor parallelism, innermost, so a tensor-parallel group is consecutive ranks.
 
+Expert parallelism (``ep``) is not a dim of its own: it splits ``dp_shard`` into
+``dp_shard_mod_ep x ep`` (torchtitan's layout), so an ep group is ``ep`` consecutive dp_shard
+ranks (in one node wherever a shard group is). Each layer's experts are split over its ep
+group, the tokens of its ranks exchanged with all-to-all; the ranks with the same experts
+(``dp_replicate x dp_shard_mod_ep``, the expert data-parallel ranks) average those experts'
+gradients. ``expert_mesh`` is that layout, a mesh of its own over the same ranks.
+
 The data-parallel ranks are ``dp_replicate x dp_shard``: every context- and tensor-parallel rank
 of one data-parallel rank reads the same batch. A new dimension (pipeline, context, expert) is added
 here: its size, its place in the mesh order, whether fully_shard shards over it, and what it
@@ -38,11 +45,12 @@ if TYPE_CHECKING:
     from hpservice.dtensor import DeviceMesh
     from hpservice.spec import ParallelismSpec
 
-__all__ = ["CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "PP", "TP", "ParallelDims"]
+__all__ = ["CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "DP_SHARD_MOD_EP", "EP", "PP", "TP", "ParallelDims"]
 
 PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"  # the mesh's dims, outer to inner
 DP_SHARD_CP = "dp_shard_cp"  # dp_shard and cp flattened: what fully_shard shards over with cp
 _DATA_PARALLEL = (DP_REPLICATE, DP_SHARD)
+EP, DP_SHARD_MOD_EP = "ep", "dp_shard_mod_ep"  # dp_shard split for expert parallelism (expert_mesh)
 
 
 @dataclass
@@ -56,7 +64,9 @@ class ParallelDims:
     world_size: int
     cp: int = 1
     pp: int = 1
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
@@ -65,13 +75,24 @@ class ParallelDims:
                 f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp "
                 f"{self.tp} != world size {self.world_size}"
             )
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ValueError(f"ep {self.ep} must divide dp_shard {self.dp_shard} (experts split over dp_shard ranks)")
 
     @classmethod
     def from_spec(cls, parallelism: ParallelismSpec, world_size: int) -> ParallelDims:
         """The job's dims on ``world_size`` ranks (``dp_shard: -1`` takes the rest); raises the
         spec's SpecError, naming the fields, when they do not multiply to the world."""
         replicate, shard = parallelism.resolve(world_size)
-        return cls(replicate, shard, parallelism.tp, world_size, cp=parallelism.cp, pp=parallelism.pp)
+        ep = parallelism.ep
+        if shard % ep:
+            from hpservice.spec import SpecError
+
+            raise SpecError(
+                f"parallelism: ep {ep} must divide dp_shard {shard} (each layer's experts are split over ep of the "
+                "dp_shard ranks)",
+                [("parallelism.ep", f"{ep} does not divide dp_shard {shard}")],
+            )
+        return cls(replicate, shard, parallelism.tp, world_size, cp=parallelism.cp, pp=parallelism.pp, ep=ep)
 
     # ---- sizes: pure, before any process group exists --------------------------------------
     @property
@@ -109,6 +130,21 @@ class ParallelDims:
             names, sizes = zip(*self.mesh_dims, strict=True)
             self._mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
         return self._mesh
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """With ep > 1: the world's ranks as ``dp_replicate x dp_shard_mod_ep x ep x tp`` (built
+        once, on every rank: it creates process groups); ``expert_mesh["ep"]`` splits the experts,
+        ``expert_mesh[("dp_replicate", "dp_shard_mod_ep")]`` holds the same ones."""
+        if self.ep == 1:
+            return None
+        if self._expert_mesh is None:
+            from hpservice.dtensor import DeviceMesh
+
+            ranks = self.world_mesh.mesh.reshape(self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            names = (DP_REPLICATE, DP_SHARD_MOD_EP, EP, TP)
+            self._expert_mesh = DeviceMesh(self.world_mesh.device_type, ranks, mesh_dim_names=names)
+        return self._expert_mesh
 
     @property
     def world_mesh(self) -> DeviceMesh:

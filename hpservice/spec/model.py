@@ -222,6 +222,13 @@ class ParallelismSpec(_Section):
         description="with pp > 1, how many blocks each stage holds, first stage first (they add up to the model's "
         "blocks); default as even as possible, the first stages taking one more",
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert parallel degree (mixture-of-experts models): each layer's experts are split over ep of "
+        "the dp_shard ranks, the routed tokens exchanged with all-to-all; it must divide dp_shard and the "
+        "model's experts",
+    )
     cp_rotate: Literal["ring", "allgather"] = Field(
         "ring",
         description="with cp > 1, how keys/values reach every rank: passed round a ring (ring), or gathered at once "
@@ -251,6 +258,12 @@ class ParallelismSpec(_Section):
     def _sequence_parallel_needs_tp(self):
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallelism.sequence_parallel needs tp > 1 (it shards over the tensor-parallel ranks)")
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel_composes_with_what_is_built(self):
+        if self.ep > 1 and (self.pp > 1 or self.cp > 1):
+            raise ValueError("parallelism.ep > 1 with pp > 1 or cp > 1 is not built yet; use ep with dp, HSDP and tp")
         return self
 
     @model_validator(mode="after")

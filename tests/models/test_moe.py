@@ -103,10 +103,10 @@ def _train(spec):
     return train(spec)
 
 
-def _moe_job(tmp, **sections):
+def _moe_job(tmp, aux_loss_coef=0.01, **sections):
     from tests._jobs import tiny_llama_job
 
-    overrides = {"aux_loss_coef": 0.01, "bias_update_rate": 0.001}
+    overrides = {"aux_loss_coef": aux_loss_coef, "bias_update_rate": 0.001}
     return tiny_llama_job(
         tmp, model={"name": "qwen3_moe", "flavor": "tiny", "overrides": overrides},
         training={"steps": 6, "max_grad_norm": 1.0, **sections.pop("training", {})}, **sections,
@@ -129,3 +129,72 @@ def test_data_parallel_moe_training_equals_one_process_and_resumes_exactly(ranks
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in two[3:]], abs=1e-6)
     assert [r["expert_load"] for r in resumed] == [r["expert_load"] for r in two[3:]]
+
+
+@pytest.mark.parametrize(
+    ("world", "parallelism"),
+    [(2, {"ep": 2}), (4, {"ep": 2}), (4, {"ep": 4}), (4, {"ep": 2, "tp": 2}), (4, {"ep": 2, "dp_replicate": 2})],
+    ids=["ep2", "ep2xedp2", "ep4", "ep2xtp2", "hsdp2xep2"],
+)
+def test_expert_parallel_training_equals_one_process(ranks, tmp_path, world, parallelism):
+    """Experts split over ep ranks, tokens exchanged with all-to-all, composed with FSDP (the
+    experts' data-parallel copies averaging their gradients), tp and HSDP: every step's loss and
+    expert loads equal one process's on the same micro-batches, biases and aux loss included."""
+    dp = world // parallelism.get("tp", 1)
+    ep = ranks(world).run(_train, _moe_job(tmp_path / "ep", parallelism=parallelism))[0]
+    one = ranks(1).run(_train, _moe_job(tmp_path / "one", training={"grad_accum": dp}))[0]
+    assert [r["loss"] for r in ep] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    assert [r["grad_norm"] for r in ep] == pytest.approx([r["grad_norm"] for r in one], abs=1e-5)
+    assert [r["expert_load"] for r in ep] == [r["expert_load"] for r in one]
+
+
+def _expert_parallel_layer(ep):
+    import copy
+
+    import torch.distributed as dist
+
+    from hpservice.dtensor import init_device_mesh
+    from hpservice.parallel.expert_parallel import ExpertParallel
+
+    torch.manual_seed(0)
+    ref = MoE(16, 24, 8, 2, route_norm=True)
+    layer = copy.deepcopy(ref)
+    ExpertParallel()._apply(layer.experts, init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)))
+    rank = dist.get_rank()
+    assert layer.experts.w1.to_local().shape == (8 // ep, 24, 16)  # only this rank's experts
+    mine = X.view(ep, -1, 16)[rank : rank + 1]  # each rank routes its own tokens, unevenly
+    out = layer(mine)
+    torch.testing.assert_close(out, ref(mine), rtol=0, atol=1e-6)
+    out.square().sum().backward()
+    ref.zero_grad()
+    ref(X.view(ep, -1, 16)).square().sum().backward()  # every rank's tokens: the experts' whole gradient
+    rows = slice(rank * 8 // ep, (rank + 1) * 8 // ep)
+    torch.testing.assert_close(layer.experts.w2.grad.to_local(), ref.experts.w2.grad[rows], rtol=1e-5, atol=1e-6)
+    return torch.bincount(ref.router(mine.reshape(-1, 16))[1].flatten(), minlength=8).tolist()
+
+
+def test_an_expert_parallel_layer_computes_what_one_device_does(ranks):
+    """Each rank holds 8 / ep experts; its tokens' outputs equal the unsplit layer's, and its
+    experts' gradients hold every rank's tokens' contributions (before the data-parallel mean)."""
+    loads = ranks(2).run(_expert_parallel_layer, 2)
+    assert loads[0] != loads[1]  # the ranks sent uneven numbers of tokens to each expert
+
+
+def test_expert_parallel_checkpoints_reshard_between_ep_sizes(ranks, tmp_path):
+    """A checkpoint of ep 2 resumes on ep 4 and on one process, and one of ep 4 on ep 2: the
+    continued steps equal the uninterrupted run's (routing biases included; no aux loss, whose
+    value depends on how the batch is split into micro-batches)."""
+
+    def run(name, world, resume=None, **parallelism):
+        checkpoint = {"interval": 2} if resume is None else {"interval": 2, "resume_from": str(tmp_path / resume)}
+        spec = _moe_job(tmp_path / name, aux_loss_coef=0.0, parallelism=parallelism, checkpoint=checkpoint)
+        return ranks(world).run(_train, spec)[0]
+
+    full = run("ep2", 2, ep=2)
+    on_ep4 = run("ep4", 4, "ep2/ckpt/step-00000002", ep=4)
+    assert [r["step"] for r in on_ep4] == [3, 4, 5, 6]
+    assert [r["loss"] for r in on_ep4] == pytest.approx([r["loss"] for r in full[2:]], abs=1e-5)
+    on_one = run("one", 1, "ep2/ckpt/step-00000002")
+    assert [r["loss"] for r in on_one] == pytest.approx([r["loss"] for r in full[2:]], abs=1e-5)
+    back = run("back", 2, "ep4/ckpt/step-00000004", ep=2)
+    assert [r["loss"] for r in back] == pytest.approx([r["loss"] for r in full[4:]], abs=1e-5)
