@@ -9,7 +9,7 @@ the job is handed over, and each names the field, the value and what would work:
 - ``check_layout``: the parallelism divides ``resources.workers`` (and each elastic size), the
   global batch divides over the data-parallel ranks and gradient accumulation (or the pipeline's
   micro-batches), the pipeline schedule runs with those micro-batches, and a built-in model splits
-  into the pipeline's stages. Knowable anywhere: ``validate``, ``run``, ``submit`` and the API all
+  into the pipeline's stages, and expert parallelism divides a built-in model's experts. Knowable anywhere: ``validate``, ``run``, ``submit`` and the API all
   run it.
 - ``check_model``: a ``package.module:factory`` imports here and builds on the meta device
   (nothing is allocated). For a job run on this machine (``validate``, ``run``); the service has
@@ -79,6 +79,8 @@ def check_layout(spec: JobSpec) -> Errors:
         ))  # fmt: skip
     if p.pp > 1:
         errors += _pipeline_errors(spec)
+    if p.ep > 1:
+        errors += _expert_errors(spec)
     if spec.eval.interval and spec.eval.data is not None and spec.eval.data.global_batch % dp:
         e = spec.eval.data.global_batch
         errors.append(("eval.data.global_batch", f"{e} does not split over {dp} data-parallel ranks: use a multiple of {dp}"))
@@ -105,6 +107,28 @@ def _pipeline_errors(spec: JobSpec) -> Errors:
     except Exception:
         return []
     return _split_errors(model, spec)
+
+
+def _expert_errors(spec: JobSpec) -> Errors:
+    """A built-in model has mixture-of-experts layers whose experts ``parallelism.ep`` divides (a
+    factory's model is checked where it is built)."""
+    from hpservice.models import build_model, list_models
+    from hpservice.models.moe import MoE
+
+    m, ep = spec.model, spec.parallelism.ep
+    if m.name is not None and m.name not in list_models():
+        return []
+    try:
+        model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+    except Exception:
+        return []
+    layers = [x for x in model.modules() if isinstance(x, MoE)]
+    if not layers:
+        return [("parallelism.ep", f"{ep}: the model has no mixture-of-experts layers to split (e.g. qwen3_moe has)")]
+    experts = layers[0].num_experts
+    if experts % ep:
+        return [("parallelism.ep", f"{ep} does not divide the model's {experts} experts per layer")]
+    return []
 
 
 def _split_errors(model, spec: JobSpec) -> Errors:

@@ -240,6 +240,7 @@ class MoE(nn.Module):
         self.expert_bias = torch.zeros(self.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
 
+    @torch.compiler.disable  # data-dependent shapes (each expert's rows); a compiled block runs it eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, S, dim]`` -> ``[B, S, dim]``."""
         B, S, D = x.shape

@@ -476,7 +476,8 @@ class Trainer:
         try:  # after tp, before fully_shard (torchtitan's order)
             apply_activation_checkpointing(model, spec)
             if spec.training.compile:
-                apply_compile(model, fullgraph=self.cp_mesh is None)
+                # ring attention and mixture-of-experts layers run eagerly between compiled parts
+                apply_compile(model, fullgraph=self.cp_mesh is None and not moe_layers(model))
         except ValueError as e:
             raise TrainingError(str(e)) from e
         if self.fsdp:

@@ -198,3 +198,35 @@ def test_expert_parallel_checkpoints_reshard_between_ep_sizes(ranks, tmp_path):
     assert [r["loss"] for r in on_one] == pytest.approx([r["loss"] for r in full[2:]], abs=1e-5)
     back = run("back", 2, "ep4/ckpt/step-00000004", ep=2)
     assert [r["loss"] for r in back] == pytest.approx([r["loss"] for r in full[4:]], abs=1e-5)
+
+
+def test_layouts_expert_parallelism_cannot_run_are_refused_before_anything_starts(tmp_path):
+    from hpservice.preflight import check_layout
+    from hpservice.spec import SpecError
+    from tests._jobs import tiny_llama_job
+
+    def errors(model, **parallelism):
+        spec = tiny_llama_job(tmp_path, model=model, resources={"workers": 4}, parallelism=parallelism)
+        return check_layout(spec)
+
+    moe = {"name": "qwen3_moe", "flavor": "tiny"}
+    assert errors(moe, ep=2) == [] and errors(moe, ep=4) == []
+    assert errors(moe, ep=3) == [("parallelism", "ep 3 must divide dp_shard 4 (each layer's experts are split over ep "
+                                                 "of the dp_shard ranks) (resources.workers is 4)")]  # fmt: skip
+    assert errors({**moe, "overrides": {"num_experts": 6}}, ep=4) == [
+        ("parallelism.ep", "4 does not divide the model's 6 experts per layer")
+    ]
+    assert errors({"name": "llama", "flavor": "tiny"}, ep=2)[0][1].startswith("2: the model has no mixture-of-experts")
+    with pytest.raises(SpecError, match="ep > 1 with pp > 1 or cp > 1 is not built yet"):
+        tiny_llama_job(tmp_path, model=moe, parallelism={"ep": 2, "pp": 2})
+
+
+def test_activation_checkpointing_and_compile_train_moe_like_eager(ranks, tmp_path):
+    """The recomputed forward of activation checkpointing routes the same way and is not counted
+    twice in the loads; compiled blocks run the MoE layers eagerly between compiled parts."""
+    eager = ranks(1).run(_train, _moe_job(tmp_path / "eager", training={"steps": 3}))[0]
+    ac = ranks(1).run(_train, _moe_job(tmp_path / "ac", training={"steps": 3, "activation_checkpointing": "full"}))[0]
+    compiled = ranks(1).run(_train, _moe_job(tmp_path / "compiled", training={"steps": 3, "compile": True}))[0]
+    assert [r["loss"] for r in ac] == [r["loss"] for r in eager]
+    assert [r["expert_load"] for r in ac] == [r["expert_load"] for r in eager]
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], abs=1e-5)
