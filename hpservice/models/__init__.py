@@ -7,6 +7,8 @@ Built-in models (each in one plain file):
   width of its own), ``"mistral"`` (``mistral.py``: sliding window): the same decoder as the
   llama with those variants; flavors ``tiny`` and the released sizes.
 - ``"qwen3_moe"`` (``qwen3_moe.py``): Qwen3 with mixture-of-experts layers (``moe.py``).
+- ``"deepseek_v3"`` (``deepseek_v3.py``): multi-head latent attention, shared experts, grouped
+  sigmoid routing with aux-loss-free balancing.
 - ``"mlp"``: residual MLP for benchmarks (``mlp.py``); flavors ``tiny``, ``small``.
 
 A Hugging Face checkpoint (``init_from``) picks its family itself (``hf.hf_family``): its
@@ -60,6 +62,7 @@ import torch
 from torch import nn
 
 from . import llama, mlp
+from .deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepseekV3, DeepseekV3Config
 from .llama import LLAMA_FLAVORS, Llama, LlamaConfig, num_params
 from .mistral import MISTRAL_FLAVORS, Mistral
 from .mlp import MLP_FLAVORS, MLPConfig, MLPModel
@@ -68,6 +71,7 @@ from .qwen3 import QWEN3_FLAVORS, Qwen3
 from .qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3Moe, Qwen3MoeConfig
 
 __all__ = [
+    "DEEPSEEK_V3_FLAVORS",
     "HF_FAMILIES",
     "LLAMA_FLAVORS",
     "MISTRAL_FLAVORS",
@@ -75,6 +79,8 @@ __all__ = [
     "QWEN2_FLAVORS",
     "QWEN3_FLAVORS",
     "QWEN3_MOE_FLAVORS",
+    "DeepseekV3",
+    "DeepseekV3Config",
     "Llama",
     "LlamaConfig",
     "MLPConfig",
@@ -112,9 +118,10 @@ _BUILTINS: dict[str, _Builtin] = {
     "qwen3": _Builtin(LlamaConfig, Qwen3, QWEN3_FLAVORS),
     "mistral": _Builtin(LlamaConfig, Mistral, MISTRAL_FLAVORS),
     "qwen3_moe": _Builtin(Qwen3MoeConfig, Qwen3Moe, QWEN3_MOE_FLAVORS),
+    "deepseek_v3": _Builtin(DeepseekV3Config, DeepseekV3, DEEPSEEK_V3_FLAVORS),
     "mlp": _Builtin(MLPConfig, MLPModel, MLP_FLAVORS),
 }
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3")
 """The built-ins that import and export Hugging Face checkpoints (``hf.py``)."""
 
 

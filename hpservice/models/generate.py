@@ -47,7 +47,8 @@ def _attention(attn: Attention, x: torch.Tensor, rope: torch.Tensor, cache: KVCa
     mask = offset >= 0
     if attn.sliding_window is not None:
         mask &= offset < attn.sliding_window
-    return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    scale = getattr(attn, "softmax_scale", None)  # MLA's: 1 / sqrt(its query/key width)
+    return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
 
 
 @torch.no_grad()

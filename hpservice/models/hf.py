@@ -63,6 +63,7 @@ FAMILIES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -158,8 +159,38 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
     }
     if found == "qwen3_moe":
         fields.update(_moe_fields(cfg, where))
+    if found == "deepseek_v3":
+        fields.update(_deepseek_fields(cfg, where, refuse))
     fields.update(overrides)
     return config_class(found)(**fields)
+
+
+def _deepseek_fields(cfg: dict, where: Path, refuse) -> dict:
+    """``DeepseekV3Config``'s own fields from a ``deepseek_v3`` config.json."""
+    refuse("rope_interleave", (None, True), "the rotary dims are read in DeepSeek's interleaved order")
+    refuse("scoring_func", (None, "sigmoid"), "DeepSeek-V3's router scores with a sigmoid")
+    refuse("topk_method", (None, "noaux_tc"), "DeepSeek-V3's grouped top-k with correction biases is implemented")
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise HFFormatError(f"{where}: no n_routed_experts (or num_local_experts)")
+    return {
+        "n_kv_heads": cfg["num_attention_heads"],  # MLA: every head its own keys and values
+        "attn_head_dim": None,
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "kv_lora_rank": cfg["kv_lora_rank"],
+        "qk_nope_head_dim": cfg["qk_nope_head_dim"],
+        "qk_rope_head_dim": cfg["qk_rope_head_dim"],
+        "v_head_dim": cfg["v_head_dim"],
+        "num_experts": experts,
+        "experts_per_token": cfg["num_experts_per_tok"],
+        "moe_hidden_dim": cfg["moe_intermediate_size"],
+        "n_shared_experts": cfg.get("n_shared_experts") or 0,
+        "first_dense_layers": cfg.get("first_k_dense_replace", 0),
+        "n_expert_groups": cfg.get("n_group") or 1,
+        "n_limited_groups": cfg.get("topk_group") or 1,
+        "route_norm": bool(cfg.get("norm_topk_prob", True)),
+        "route_scale": float(cfg.get("routed_scaling_factor", 1.0)),
+    }
 
 
 def _moe_fields(cfg: dict, where: Path) -> dict:
@@ -200,6 +231,17 @@ _BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.router.gate.weight": "mlp.gate.weight",
+    "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",  # a buffer: DeepSeek-V3's
+    "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    # DeepSeek's multi-head latent attention
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
 }
 # our stacked experts' tensors [E, ...] -> Hugging Face's one tensor per expert
 _EXPERTS = {
@@ -220,12 +262,14 @@ def hf_names(name: str, shape: tuple[int, ...]) -> list[str]:
     return [hf_name(name)]
 
 
-def hf_tensors(name: str, value: torch.Tensor, head_dim: int) -> dict[str, torch.Tensor]:
-    """One of our parameters' values as Hugging Face's tensors (rotary rows reordered, expert
-    stacks split), contiguous for safetensors."""
+def hf_tensors(name: str, value: torch.Tensor, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """One of our parameters' values as Hugging Face's tensors (rotary rows reordered where the
+    family's are, expert stacks split), contiguous for safetensors."""
     if ".".join(name.split(".")[2:]) in _EXPERTS:
         return {key: value[e].contiguous() for e, key in enumerate(hf_names(name, tuple(value.shape)))}
-    return {hf_name(name): _to_hf_layout(name, value, head_dim).contiguous()}
+    if cfg.hf_rotate_half:
+        value = _to_hf_layout(name, value, cfg.head_dim)
+    return {hf_name(name): value.contiguous()}
 
 
 def hf_name(name: str) -> str:
@@ -311,6 +355,10 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
     path = Path(path)
     files = _SafetensorsDir(path)
     head_dim = model.cfg.head_dim
+    permute = model.cfg.hf_rotate_half
+    for name, buffer in model.named_buffers():  # DeepSeek-V3's routing biases (Qwen3-MoE has none: zeros)
+        if name.endswith("feed_forward.expert_bias") and hf_name(name) in files.where:
+            buffer.copy_(files.slice(hf_name(name))[:].to(buffer.dtype))
     for name, param in model.named_parameters():  # a tied head appears once, as the embedding
         if ".".join(name.split(".")[2:]) in _EXPERTS:
             _load_experts(files, name, param)
@@ -326,7 +374,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
         if local.numel() == 0:
             continue
         cols = [slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True)]
-        if name.endswith(_ROTARY):
+        if permute and name.endswith(_ROTARY):
             lo, hi, index = _rotary_rows(offset[0], local_shape[0], head_dim)
             block = source[(slice(lo, hi), *cols)]
             value = block[index]
@@ -384,7 +432,7 @@ def hf_config(cfg: LlamaConfig, text: dict | None = None, family: str = "llama")
         config.update(use_sliding_window=False, sliding_window=None)
         if family != "qwen2":
             config["attention_bias"] = False
-    else:
+    elif family == "mistral":
         config["sliding_window"] = cfg.sliding_window
     if family == "qwen3_moe":
         config.update(
@@ -397,6 +445,27 @@ def hf_config(cfg: LlamaConfig, text: dict | None = None, family: str = "llama")
             router_aux_loss_coef=cfg.aux_loss_coef,
             output_router_logits=cfg.aux_loss_coef > 0,
         )
+    if family == "deepseek_v3":
+        config.update(
+            num_key_value_heads=cfg.n_heads,
+            head_dim=cfg.qk_rope_head_dim,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            n_routed_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            moe_intermediate_size=cfg.moe_hidden_dim,
+            n_shared_experts=cfg.n_shared_experts,
+            first_k_dense_replace=cfg.first_dense_layers,
+            n_group=cfg.n_expert_groups,
+            topk_group=cfg.n_limited_groups,
+            norm_topk_prob=cfg.route_norm,
+            routed_scaling_factor=cfg.route_scale,
+            rope_interleave=True,
+            attention_bias=False,
+        )
     return {**config, **((text or {}).get("config") or {})}
 
 
@@ -407,7 +476,7 @@ def _check_family(cfg: LlamaConfig, family: str) -> None:
     uses = {"qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm, "sliding_window": cfg.sliding_window is not None}
     has = {"qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"}, "mistral": {"sliding_window"}, "qwen3_moe": {"qk_norm"}}.get(family, set())
     missing = [k for k, used in uses.items() if used and k not in has] + [k for k in has if k != "sliding_window" and not uses[k]]
-    if getattr(cfg, "bias_update_rate", 0):  # the routing biases change routing; transformers' Qwen3-MoE has none
+    if family == "qwen3_moe" and cfg.bias_update_rate:  # biases change routing; transformers' Qwen3-MoE has none
         missing.append("bias_update_rate")
     if missing:
         raise HFFormatError(
@@ -461,7 +530,7 @@ def _export_hf(
         if path[0] == "model" and hasattr(md, "size"):
             ours[path[1]] = md
     with torch.device("meta"):
-        wanted = {n: tuple(p.shape) for n, p in model_class(family)(cfg).named_parameters()}  # a tied head appears once
+        wanted = {n: tuple(p.shape) for n, p in _exported(model_class(family)(cfg), family)}
     problems = [f"{n} is missing" for n in wanted if n not in ours] + [
         f"{n} has shape {list(ours[n].size)}, the config needs {list(shape)}"
         for n, shape in wanted.items()
@@ -517,7 +586,7 @@ def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig)
         targets = {n: torch.empty(tuple(ours[n].size), dtype=ours[n].properties.dtype) for n in group}
         dcp_load({"model": targets}, reader, tmp, planner=DefaultLoadPlanner(allow_partial_load=True))
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {k: v for n, t in targets.items() for k, v in hf_tensors(n, t, cfg.head_dim).items()}
+        tensors = {k: v for n, t in targets.items() for k, v in hf_tensors(n, t, cfg).items()}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         files.append((fname, list(tensors)))
         del targets, tensors
@@ -541,6 +610,15 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
     )
 
 
+def _exported(model: Llama, family: str) -> list[tuple[str, torch.Tensor]]:
+    """What a Hugging Face checkpoint of ``family`` holds of ``model``: its parameters (a tied
+    head once, as the embedding) and DeepSeek-V3's routing biases."""
+    named = list(model.named_parameters())
+    if family == "deepseek_v3":
+        named += [(n, b) for n, b in model.named_buffers() if n.endswith("feed_forward.expert_bias")]
+    return named
+
+
 def family_of(model: Llama) -> str:
     """The family (``FAMILIES``' key) of one of our built-in decoder models."""
     for family in FAMILIES:
@@ -559,7 +637,7 @@ def save_hf_pretrained(model: Llama, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
-        k: v.cpu() for n, p in model.named_parameters() for k, v in hf_tensors(n, p.detach(), model.cfg.head_dim).items()
+        k: v.cpu() for n, p in _exported(model, family) for k, v in hf_tensors(n, p.detach(), model.cfg).items()
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model.cfg, family=family), indent=2))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,9 @@ class LlamaConfig:
     """An RMSNorm over each head of the queries and keys, before the rotary embedding (Qwen3)."""
     sliding_window: int | None = None
     """Each token attends to itself and the sliding_window - 1 tokens before it (Mistral); None: all."""
+
+    # Not a field: Hugging Face's query/key rows are in rotate_half order (``hf.py`` reorders them).
+    hf_rotate_half: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -152,6 +156,15 @@ class LlamaConfig:
     def ffn_matmul_params(self, layer_id: int) -> int:
         """Matmul parameters block ``layer_id``'s feed-forward applies to each token (SwiGLU: 3 matrices)."""
         return 3 * self.dim * self.ffn_hidden_dim
+
+    def attention_matmul_params(self) -> int:
+        """Matmul parameters of one block's attention: wq, wo, and wk, wv."""
+        hd = self.head_dim
+        return self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
+
+    def attention_width(self) -> int:
+        """Query/key (and value) width over all heads, for the attention FLOPs: n_heads x head_dim."""
+        return self.n_heads * self.head_dim
 
 
 LLAMA_FLAVORS: dict[str, LlamaConfig] = {
@@ -517,10 +530,8 @@ def matmul_params(cfg: LlamaConfig) -> int:
     embedding lookup is a gather and the norms are elementwise, so neither costs matmul FLOPs.
     A mixture-of-experts layer counts its router and the experts a token is routed to (the active
     parameters: ``cfg.ffn_matmul_params``)."""
-    hd = cfg.head_dim
-    attention = cfg.dim * cfg.n_heads * hd * 2 + cfg.dim * cfg.n_kv_heads * hd * 2  # wq, wo + wk, wv
     ffn = sum(cfg.ffn_matmul_params(i) for i in range(cfg.n_layers))
-    return cfg.n_layers * attention + ffn + cfg.dim * cfg.vocab_size
+    return cfg.n_layers * cfg.attention_matmul_params() + ffn + cfg.dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int, *, attention: bool = True) -> int:
@@ -541,5 +552,5 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, *, attention: bool = True) -
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    width = cfg.n_heads * cfg.head_dim  # dim for a Llama; Qwen3 and Mistral may differ
+    width = cfg.attention_width()  # dim for a Llama; Qwen3, Mistral and DeepSeek's MLA may differ
     return 6 * matmul_params(cfg) + (12 * cfg.n_layers * width * seq_len if attention else 0)

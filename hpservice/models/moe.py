@@ -106,14 +106,14 @@ class TokenChoiceTopKRouter(nn.Module):
         return (weights * self.route_scale).to(x.dtype), experts, scores
 
     def _best_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
-        """``choice`` with the experts outside each token's ``num_limited_groups`` best groups at 0
+        """``choice`` with the experts outside each token's ``num_limited_groups`` best groups at -inf
         (DeepSeek-V3's node-limited routing; a group's score is the sum of its two best)."""
         T = choice.shape[0]
         groups = choice.view(T, self.num_expert_groups, -1)
         group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
         best = group_scores.topk(self.num_limited_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return groups.masked_fill(~keep[..., None], 0.0).view(T, -1)
+        return groups.masked_fill(~keep[..., None], float("-inf")).view(T, -1)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate.weight, std=std)

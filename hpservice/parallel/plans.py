@@ -114,7 +114,9 @@ def llama_tp_plan(
                     p + "attention_norm": SequenceParallel(),
                     # x: all-gathered once for wq/wk/wv; rope (a plain full-sequence tensor) untouched.
                     p + "attention": PrepareModuleInput(
-                        input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+                        input_layouts=(seq, None),
+                        desired_input_layouts=(Replicate(), None),
+                        use_local_output=hasattr(block.attention, "colwise"),  # MLA's latent projections are plain
                     ),
                     p + "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=False),
                     p + "ffn_norm": SequenceParallel(),
@@ -137,7 +139,9 @@ def llama_tp_plan(
             # gradients (each rank's heads' part) all-reduced
             for norm in ("q_norm", "k_norm"):
                 plan[p + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan.update({p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(), p + "attention.wv": ColwiseParallel()})
+        # by heads: a Llama's q, k, v; MLA's query and per-head key/value up-projection (its latent is one head)
+        for name in getattr(block.attention, "colwise", ("wq", "wk", "wv")):
+            plan[p + "attention." + name] = ColwiseParallel()
         if dense:
             plan.update({p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel()})
     # a pipeline stage (Llama.keep_stage) holds the embedding only first, the norm and head only last
@@ -164,4 +168,6 @@ def apply_llama_tp(
     for layer in model.layers.values():
         layer.attention.n_heads //= tp
         layer.attention.n_kv_heads //= tp
+        if hasattr(layer.attention, "tp_mesh"):  # MLA: its shared rotary key sums its heads' gradients
+            layer.attention.tp_mesh = mesh
     return model

@@ -49,7 +49,7 @@ def _rejected(c, spec, field, fragment, token=ALICE):
 def test_model_factories_outside_the_allowlist_are_refused(tmp_path, factory):
     with _client(tmp_path) as c:
         spec = _spec(model={"name": factory, "flavor": None, "overrides": {"args": "touch /tmp/pwned"}})
-        _rejected(c, spec, "model.name", "not a built-in model nor a factory this server allows (allowed: llama, mistral, mlp, qwen2, qwen3, qwen3_moe")
+        _rejected(c, spec, "model.name", "not a built-in model nor a factory this server allows (allowed: deepseek_v3, llama, mistral, mlp, qwen2, qwen3, qwen3_moe")
 
 
 def test_allowed_factories_by_setting_and_entry_point(tmp_path, monkeypatch):

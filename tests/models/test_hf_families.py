@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import transformers  # a dev dependency: the reference implementation
 
-from hpservice.models import build_model
+from hpservice.models import build_model, model_class
 from hpservice.models.hf import HFFormatError, config_from_hf, hf_family, load_hf_weights, save_hf_pretrained
 
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -28,6 +28,15 @@ FAMILIES = {
         {"head_dim": 24, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
          "mlp_only_layers": [0], "norm_topk_prob": True},
     ),
+    # multi-head latent attention with a query bottleneck; 8 experts in 4 groups, 2 per token from
+    # the best 2 groups, one shared expert, the first layer dense
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 20, "qk_nope_head_dim": 12,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+         "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 40,
+         "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+    ),
 }
 
 
@@ -35,11 +44,11 @@ def _hf_checkpoint(path, family, *, tied=False):
     """A small random model of ``family`` saved by transformers; its logits on TOKENS."""
     config_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    cfg = config_cls(
+    settings = dict(
         hidden_size=64, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=100, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tied,
-        **extra,
     )  # fmt: skip
+    cfg = config_cls(**{**settings, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # non-trivial norms and biases (transformers initialises them to 1 and 0)
         for name, p in model.named_parameters():
@@ -47,6 +56,9 @@ def _hf_checkpoint(path, family, *, tied=False):
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias") or name.endswith("mlp.gate.weight"):  # distinct routing scores
                 p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # routing biases that change the choice
+                b.normal_(0, 0.1)
     model.save_pretrained(path, max_shard_size="40KB")
     with torch.no_grad():
         return model(TOKENS).logits
@@ -60,7 +72,8 @@ def _ours(path, device="cpu"):
 
 
 @pytest.mark.parametrize(
-    ("family", "tied"), [("qwen2", False), ("qwen3", False), ("qwen3", True), ("mistral", False), ("qwen3_moe", False)]
+    ("family", "tied"),
+    [("qwen2", False), ("qwen3", False), ("qwen3", True), ("mistral", False), ("qwen3_moe", False), ("deepseek_v3", False)],
 )
 def test_one_process_equals_transformers_and_saves_back(tmp_path, family, tied):
     from hpservice.models.generate import generate
@@ -68,7 +81,7 @@ def test_one_process_equals_transformers_and_saves_back(tmp_path, family, tied):
     expected = _hf_checkpoint(tmp_path / "hf", family, tied=tied)
     assert hf_family(tmp_path / "hf") == family
     model = _ours(tmp_path / "hf")
-    assert type(model).__name__.lower() == family.replace("_", "") and model.cfg.tie_embeddings == tied
+    assert model_class(family) is type(model) and model.cfg.tie_embeddings == tied
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), expected, rtol=0, atol=1e-5)
     # greedy generation with the key/value cache (past Mistral's window of 5) equals transformers'
@@ -111,7 +124,7 @@ def _sharded_imports(path, expected):
     return True
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3"])
 def test_tensor_parallel_and_fully_shard_imports_equal_transformers(ranks, tmp_path, family):
     expected = _hf_checkpoint(tmp_path, family)
     assert ranks(2).run(_sharded_imports, str(tmp_path), expected) == [True, True]
@@ -145,7 +158,7 @@ def _grads_like_one_device(family, sequence_parallel):
     return True
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3"])
 def test_tensor_parallel_gradients_equal_one_device(ranks, family):
     assert ranks(2).run(_grads_like_one_device, family, False) == [True, True]
     assert ranks(2).run(_grads_like_one_device, family, True) == [True, True]
@@ -157,7 +170,7 @@ def _train(spec):
     return [r["loss"] for r in train(spec)]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3"])
 def test_tp_with_sequence_parallel_trains_like_one_process(ranks, tmp_path, family):
     """tp 2 with SP: q/k biases and norms get their whole gradients (the norms' per-head parts
     all-reduced); every step's loss equals one process's. Mistral's window (16) is shorter than
@@ -179,7 +192,7 @@ def _fine_tune(spec):
     return True
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3"])
 def test_init_from_alone_fine_tunes_and_exports_to_transformers(ranks, tmp_path, family):
     """A job with only ``model.init_from`` (no name) trains the checkpoint's family on 2 FSDP ranks
     from its weights; its checkpoint, exported, loads in transformers as that family with our logits."""
@@ -233,6 +246,6 @@ def test_a_spec_naming_another_family_is_refused_before_it_starts(tmp_path):
     spec = tiny_llama_job(tmp_path, model={"name": "llama", "flavor": None, "init_from": str(tmp_path / "hf")})
     with pytest.raises(SpecError, match=r"model.init_from: .*a qwen3 checkpoint \(Qwen3ForCausalLM\), not a llama one"):
         preflight(spec)
-    with pytest.raises(SpecError, match=r"imports Hugging Face checkpoints into llama, qwen2, qwen3, mistral, qwen3_moe, not 'mlp'"):
+    with pytest.raises(SpecError, match=r"imports Hugging Face checkpoints into llama, qwen2, qwen3, mistral, qwen3_moe, deepseek_v3, not 'mlp'"):
         tiny_llama_job(tmp_path, model={"name": "mlp", "flavor": None, "init_from": str(tmp_path / "hf")})
     assert config_from_hf(tmp_path / "hf").qk_norm and config_from_hf(tmp_path / "hf").attn_head_dim == 24

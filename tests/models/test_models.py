@@ -267,7 +267,7 @@ def test_mlp_meta_build():
 
 
 def test_registry_listing_and_config():
-    assert list_models() == ["llama", "mistral", "mlp", "qwen2", "qwen3", "qwen3_moe"]
+    assert list_models() == ["deepseek_v3", "llama", "mistral", "mlp", "qwen2", "qwen3", "qwen3_moe"]
     assert list_flavors("llama") == ["tiny", "small", "1B", "8B"]
     assert list_flavors("mlp") == ["tiny", "small"]
     cfg = model_config("llama", "small", {"n_layers": 1})
@@ -277,7 +277,7 @@ def test_registry_listing_and_config():
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match=r"unknown model 'gpt'.*llama, mistral, mlp, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"unknown model 'gpt'.*deepseek_v3, llama, mistral, mlp, qwen2, qwen3, qwen3_moe"):
         build_model("gpt")
     with pytest.raises(ValueError, match=r"unknown flavor '70B'.*tiny, small, 1B, 8B"):
         build_model("llama", "70B")

@@ -103,12 +103,12 @@ def _train(spec):
     return train(spec)
 
 
-def _moe_job(tmp, aux_loss_coef=0.01, **sections):
+def _moe_job(tmp, aux_loss_coef=0.01, model="qwen3_moe", **sections):
     from tests._jobs import tiny_llama_job
 
     overrides = {"aux_loss_coef": aux_loss_coef, "bias_update_rate": 0.001}
     return tiny_llama_job(
-        tmp, model={"name": "qwen3_moe", "flavor": "tiny", "overrides": overrides},
+        tmp, model={"name": model, "flavor": "tiny", "overrides": overrides},
         training={"steps": 6, "max_grad_norm": 1.0, **sections.pop("training", {})}, **sections,
     )  # fmt: skip
 
@@ -132,17 +132,25 @@ def test_data_parallel_moe_training_equals_one_process_and_resumes_exactly(ranks
 
 
 @pytest.mark.parametrize(
-    ("world", "parallelism"),
-    [(2, {"ep": 2}), (4, {"ep": 2}), (4, {"ep": 4}), (4, {"ep": 2, "tp": 2}), (4, {"ep": 2, "dp_replicate": 2})],
-    ids=["ep2", "ep2xedp2", "ep4", "ep2xtp2", "hsdp2xep2"],
+    ("model", "world", "parallelism"),
+    [
+        ("qwen3_moe", 2, {"ep": 2}),
+        ("qwen3_moe", 4, {"ep": 2}),
+        ("qwen3_moe", 4, {"ep": 4}),
+        ("qwen3_moe", 4, {"ep": 2, "tp": 2}),
+        ("qwen3_moe", 4, {"ep": 2, "dp_replicate": 2}),
+        ("deepseek_v3", 2, {"ep": 2}),
+        ("deepseek_v3", 4, {"ep": 2, "tp": 2, "sequence_parallel": True}),
+    ],
+    ids=["ep2", "ep2xedp2", "ep4", "ep2xtp2", "hsdp2xep2", "deepseek-ep2", "deepseek-ep2xtp2-sp"],
 )
-def test_expert_parallel_training_equals_one_process(ranks, tmp_path, world, parallelism):
+def test_expert_parallel_training_equals_one_process(ranks, tmp_path, model, world, parallelism):
     """Experts split over ep ranks, tokens exchanged with all-to-all, composed with FSDP (the
     experts' data-parallel copies averaging their gradients), tp and HSDP: every step's loss and
     expert loads equal one process's on the same micro-batches, biases and aux loss included."""
     dp = world // parallelism.get("tp", 1)
-    ep = ranks(world).run(_train, _moe_job(tmp_path / "ep", parallelism=parallelism))[0]
-    one = ranks(1).run(_train, _moe_job(tmp_path / "one", training={"grad_accum": dp}))[0]
+    ep = ranks(world).run(_train, _moe_job(tmp_path / "ep", model=model, parallelism=parallelism))[0]
+    one = ranks(1).run(_train, _moe_job(tmp_path / "one", model=model, training={"grad_accum": dp}))[0]
     assert [r["loss"] for r in ep] == pytest.approx([r["loss"] for r in one], abs=1e-5)
     assert [r["grad_norm"] for r in ep] == pytest.approx([r["grad_norm"] for r in one], abs=1e-5)
     assert [r["expert_load"] for r in ep] == [r["expert_load"] for r in one]

@@ -113,7 +113,7 @@ def test_a_model_name_this_machine_cannot_resolve_is_refused_for_local_runs(tmp_
     from hpservice.preflight import check_model
 
     spec = parse_job({"name": "a", "model": {"name": "lama"}})  # a server might know it: the spec parses
-    assert check_model(spec) == [("model.name", "'lama' is neither a built-in model (llama, mistral, mlp, qwen2, qwen3, qwen3_moe) nor "
+    assert check_model(spec) == [("model.name", "'lama' is neither a built-in model (deepseek_v3, llama, mistral, mlp, qwen2, qwen3, qwen3_moe) nor "
                                              "'package.module:factory' (did you mean 'llama'?)")]  # fmt: skip
     job = tmp_path / "job.yaml"
     job.write_text("name: a\nmodel: {name: lama}\n")
