@@ -37,6 +37,14 @@ def test_summary_reports_the_steady_rate_not_the_last_step():
     text = out.getvalue()
     assert "SUCCEEDED: finished 10 steps" in text and "final loss 4.0000" in text
     assert "889 tok/s steady (mean over the last 9 steps)" in text  # step 1 left out; not the last "1 tok/s"
+    assert "expert load" not in text
+
+
+def test_summary_of_a_moe_job_names_its_most_imbalanced_layer():
+    out = io.StringIO()
+    record = {"step": 3, "loss": 4.0, "expert_load": {"1": [10, 10, 10, 10], "3": [4, 24, 6, 6]}, "expert_imbalance": 2.4}
+    print_summary(Console(file=out, width=200), {"state": "SUCCEEDED", "total_steps": 3}, [record])
+    assert "expert load at the last step: 2 MoE layers; the most imbalanced, layer 3, from 4 to 24 tokens per expert (2.40x the mean)" in out.getvalue()
 
 
 def test_transitions_are_typed_and_an_ended_job_never_moves():

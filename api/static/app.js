@@ -2,10 +2,12 @@
 // no build step: ES modules the browser loads as they are.
 //   format.js  numbers, times, bytes, DOM helpers      api.js     token, requests, job states
 //   chart.js   the <canvas> line chart                  stream.js  the selected job's live events
+//   heatmap.js a MoE job's expert loads per step
 //   app.js     (this file) the jobs list, the job view, comparing runs, the full log, actions
 
 import { AuthError, TERMINAL, api, apiSend, hideAuth, loadJobStates, saveToken, setConn, token } from "./api.js";
 import { LineChart } from "./chart.js";
+import { ExpertHeatmap } from "./heatmap.js";
 import { $, el, fmtBytes, fmtClock, fmtLr, fmtNum, fmtRate, fmtTime, isNum, setBadge, stepText } from "./format.js";
 import { closeStream, openStream, setStreamStatus } from "./stream.js";
 
@@ -17,6 +19,8 @@ const charts = {
   tps: new LineChart($("tps-chart"), { label: "Tokens per second", yTitle: "tokens/s", colorVar: "--chart-tps", fmt: fmtRate, readout: $("tps-readout") }),
   val: new LineChart($("val-chart"), { label: "Validation loss", yTitle: "val loss", colorVar: "--chart-val", fmt: fmtNum, readout: $("val-readout") }),
 };
+
+const experts = new ExpertHeatmap($("experts-figure"), $("experts-chart"), $("experts-layer"), $("experts-readout"));
 
 // ---------------------------------------------------------------- comparing runs
 // Other runs' losses overlaid on the loss chart (as in TensorBoard or W&B): picked from the jobs
@@ -246,6 +250,8 @@ function renderLive() {
   charts.tps.setData(...seriesOf(recs, "tokens_per_s"));
   charts.val.setData(...seriesOf(recs, "val_loss")); // eval: every eval.interval steps
   for (const c of Object.values(charts)) c.draw();
+  experts.setData(recs);
+  experts.draw();
   const last = recs[recs.length - 1];
   $("f-loss").textContent = last ? fmtNum(last.loss) : "—";
   $("f-lr").textContent = last ? fmtLr(last.lr) : "—";

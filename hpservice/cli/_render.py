@@ -30,6 +30,14 @@ def print_summary(console, job: dict, records: list[dict]) -> None:
         rate = f"{steady['tokens_per_s']:,.0f} tok/s steady (mean over the last {steady['steps']} steps)"
         parts.append(rate + (f", MFU {steady['mfu']:.1%}" if "mfu" in steady else ""))
     console.print(Text("  " + ", ".join(parts)))
+    if isinstance(last.get("expert_load"), dict):  # a mixture-of-experts job: each layer's balance
+        loads = last["expert_load"]
+        worst = max(loads, key=lambda layer: max(loads[layer]) / max(sum(loads[layer]) / len(loads[layer]), 1e-9))
+        row = loads[worst]
+        console.print(Text(
+            f"  expert load at the last step: {len(loads)} MoE layers; the most imbalanced, layer {worst}, "
+            f"from {min(row):,.0f} to {max(row):,.0f} tokens per expert ({last.get('expert_imbalance', 0):.2f}x the mean)"
+        ))  # fmt: skip
     if job.get("restarts"):
         console.print(Text(f"  restarts: {job['restarts']} ({'; '.join(job.get('restart_reasons') or [])})"))
     if job.get("checkpoints"):

@@ -872,6 +872,8 @@ class Trainer:
                 f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
                 f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step"
                 + (f"  mfu {record['mfu']:.1%}" if record.get("mfu") is not None else "")
+                + (f"  busiest expert {record['expert_imbalance']:.2f}x mean" if "expert_imbalance" in record else "")
+                + (f"  aux {record['moe_aux_loss']:.4f}" if "moe_aux_loss" in record else "")
             )
 
     def _report_own(self, record: dict) -> None:

@@ -131,6 +131,9 @@ class FakeJob:
                     "tokens_per_s": 12000.0 + 150 * step,
                     "step_time_s": 0.03,
                     **({"val_loss": 5.0 * 0.95**step + 0.5} if step % 10 == 0 else {}),  # eval.interval 10
+                    # a MoE job's: layer 3 evens out, layer 1 grows more skewed (the worst at the end)
+                    "expert_load": {"1": [40 + step, 40, 40, 40 - step], "3": [50 - step, 40, 40, 30 + step]},
+                    "expert_imbalance": (40 + step) / 40,
                 },
             )
             if step % 5 == 0:
@@ -370,6 +373,8 @@ def watch_points(driver, timeout: float = 20.0) -> list[int]:
 
 
 def test_page_shows_a_live_job(browser, tmp_path):
+    from selenium.webdriver.support.ui import Select
+
     fake = FakeJob()
     with serve(make_app(fake)) as base:
         browser.get(f"{base}/")
@@ -410,6 +415,13 @@ def test_page_shows_a_live_job(browser, tmp_path):
         assert css(browser, '[data-testid="tps-chart"]').get_attribute("data-points") == str(STEPS)
         assert css(browser, '[data-testid="val-chart"]').get_attribute("data-points") == str(STEPS // 10)
         assert css(browser, '[data-testid="job-step"]').text == f"{STEPS} / {STEPS}"
+        # a MoE job's expert loads: a heatmap of the most imbalanced layer, a column per step
+        heat = css(browser, '[data-testid="experts-heatmap"]')
+        assert heat.is_displayed() and heat.get_attribute("data-steps") == str(STEPS)
+        assert heat.get_attribute("data-layer") == "1" and heat.get_attribute("data-experts") == "4"
+        assert css(browser, '[data-testid="experts-readout"]').text == f"layer 1: 4 experts, busiest {(40 + STEPS) / 40:.2f}x the mean at step {STEPS}"
+        Select(css(browser, '[data-testid="experts-layer"]')).select_by_value("3")
+        wait(browser, lambda d: css(d, '[data-testid="experts-heatmap"]').get_attribute("data-layer") == "3")
 
         # checkpoints, restarts with reasons, logs, the Ray link
         # only the committed checkpoints still on storage: step 10's was pruned when step 30's came
@@ -450,8 +462,6 @@ def test_page_shows_a_live_job(browser, tmp_path):
         assert fake.downloads == [(ARTIFACT, None)]
 
         # an earlier run overlaid on the loss chart (fetched page by page), and removed again
-        from selenium.webdriver.support.ui import Select
-
         wait(browser, lambda d: len(css_all(d, '[data-testid="compare-select"] option')) == 2)
         Select(css(browser, '[data-testid="compare-select"]')).select_by_value(BASELINE["id"])
         wait(browser, lambda d: css(d, LOSS).get_attribute("data-overlays") == "1")
