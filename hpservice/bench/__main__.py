@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import ac, checkpoint, cp, fsdp, gpu, hf, overhead, plan, redistribute, scheduler, service, tp
+from hpservice.bench import ac, checkpoint, cp, fsdp, gpu, hf, moe, overhead, plan, redistribute, scheduler, service, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_parser(sub)
     overhead.add_parser(sub)
     plan.add_parser(sub)
+    moe.add_parser(sub)
     scheduler.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)

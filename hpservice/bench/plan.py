@@ -50,6 +50,9 @@ from dataclasses import asdict, dataclass
 
 from hpservice.models.llama import LLAMA_FLAVORS, LlamaConfig
 
+from .plan_moe import MOE_MODELS, moe_plan
+from .plan_moe import report as moe_report
+
 # Tensor parallelism's plan for the built-in Llama (hpservice.parallel.apply_llama_tp): the dim
 # of each weight it shards. Norms stay replicated.
 _TP_DIM = {
@@ -386,7 +389,11 @@ def report(result: dict) -> str:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-rank memory, collective bytes and times, checkpoint size, on paper")
-    p.add_argument("--model", default="8B", choices=sorted(LLAMA_FLAVORS), help="a built-in Llama flavor")
+    p.add_argument(
+        "--model", default="8B", choices=[*sorted(LLAMA_FLAVORS), *MOE_MODELS],
+        help="a built-in Llama flavor, or a mixture-of-experts family/flavor (its own plan: bench/plan_moe.py)",
+    )  # fmt: skip
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (mixture-of-experts models)")
     p.add_argument("--gpus", type=int, default=64)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
@@ -412,6 +419,19 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.model in MOE_MODELS:
+        if args.pp > 1 or args.cp > 1:
+            raise SystemExit("bench plan: a mixture-of-experts model's plan covers tp, dp and ep (ep with pp or cp is not built yet)")
+        family, flavor = args.model.split("/")
+        result = moe_plan(
+            family, flavor, gpus=args.gpus, gpus_per_node=args.gpus_per_node, tp=args.tp, dp_shard=args.dp_shard,
+            ep=args.ep, seq_len=args.seq_len, micro_batch=args.micro_batch, param_bytes=args.param_bytes,
+            nvlink_gbs=args.nvlink_gbs, ib_gbs=args.ib_gbs,
+        )  # fmt: skip
+        print(json.dumps(result, indent=1) if args.json else moe_report(result))
+        return 0
+    if args.ep > 1:
+        raise SystemExit(f"bench plan: --ep needs a mixture-of-experts model ({', '.join(MOE_MODELS)})")
     stage_ranks = args.gpus // args.pp
     dp_shard = args.dp_shard or max(1, min(stage_ranks, args.gpus_per_node) // (args.tp * args.cp))
     result = plan(

@@ -154,3 +154,33 @@ def test_pipeline_parallelism_plans_the_first_stage_its_bubble_and_its_transfers
     assert interleaved["bubble"] < pipe["bubble"] and interleaved["p2p"]["bytes"] == 3 * pipe["p2p"]["bytes"]
     with pytest.raises(SystemExit, match="micro-batches \\(2\\) must be >= pp \\(4\\)"):
         plan(config, layout, LINKS, seq_len=8192, micro_batch=1, pp_microbatches=2)
+
+
+def test_plan_of_a_moe_model_with_expert_parallelism(capsys):
+    """The MoE plan's numbers are its stated arithmetic on the model's own parameter counts: the
+    experts divided by ep, the rest by dp_shard; the all-to-all at NVLink speed while the ep group
+    fits a node, at InfiniBand speed past it."""
+    from hpservice.bench.plan_moe import moe_plan
+    from hpservice.models import build_model
+    from hpservice.models.moe import GroupedExperts
+
+    def run(gpus, ep, dp_shard=None):
+        return moe_plan("qwen3_moe", "30B-A3B", gpus=gpus, gpus_per_node=8, tp=1, dp_shard=dp_shard, ep=ep,
+                        seq_len=4096, micro_batch=1, param_bytes=2, nvlink_gbs=450.0, ib_gbs=50.0)  # fmt: skip
+
+    model = build_model("qwen3_moe", "30B-A3B", device="meta")
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+    r = run(64, 8)
+    assert r["parameters"]["experts"] == experts and round(r["parameters"]["total"] / 1e9, 1) == 30.5
+    assert r["memory_gib"]["expert_state"] == pytest.approx(experts / 8 * 16 / 2**30)
+    assert r["memory_gib"]["dense_state"] == pytest.approx((r["parameters"]["dense"]) / 8 * 16 / 2**30)
+    assert r["all_to_all"]["bytes"] == 2 * 2 * 48 * 4096 * 8 * (7 / 8) * 2048 * 2 and r["all_to_all"]["link"] == "nvlink"
+    assert r["layout"]["expert_dp"] == 8 and r["expert_grad_all_reduce"]["bytes"] == pytest.approx(2 * 7 / 8 * experts / 8 * 4)
+    wide = run(256, 32, dp_shard=32)
+    assert wide["all_to_all"]["link"] == "infiniband" and wide["memory_gib"]["expert_state"] == pytest.approx(experts / 32 * 16 / 2**30)
+    with pytest.raises(ValueError, match="ep 3 must divide dp_shard 8"):
+        run(64, 3)
+    from hpservice.bench.__main__ import main
+
+    assert main(["plan", "--model", "deepseek_v3/671B", "--gpus", "256", "--dp-shard", "64", "--ep", "64"]) == 0
+    assert "ep 64 (experts' data-parallel copies: 4)" in capsys.readouterr().out
