@@ -74,6 +74,9 @@ class DeepseekV3Config(LlamaConfig):
     """Coefficient of the sequence-wise load-balancing loss, per sparse layer (0: none)."""
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing: each step moves every expert's routing bias by this toward balance (0: off)."""
+    capacity_factor: float | None = None
+    """Each expert takes at most capacity_factor x its even share of a forward's tokens, the rest dropped and
+    counted (None: dropless)."""
 
     hf_rotate_half: ClassVar[bool] = False  # DeepSeek's weights keep the rotary dims in interleaved pairs, as ours
 
@@ -218,7 +221,7 @@ class DeepseekV3(Llama):
                 num_expert_groups=cfg.n_expert_groups if cfg.n_expert_groups > 1 else None,
                 num_limited_groups=cfg.n_limited_groups if cfg.n_expert_groups > 1 else None,
                 shared_hidden_dim=cfg.n_shared_experts * cfg.moe_hidden_dim,
-                aux_loss_coef=cfg.aux_loss_coef, aux_loss="sequence", init_std=init_std,
+                aux_loss_coef=cfg.aux_loss_coef, capacity_factor=cfg.capacity_factor, aux_loss="sequence", init_std=init_std,
             )  # fmt: skip
         return block
 

@@ -10,7 +10,10 @@ One MoE layer on the tokens ``x [T, dim]`` (T = batch x sequence)::
     y = zeros.index_add(order // top_k, out * weights.flatten()[order])     # combine
     y += shared_experts(x)                       # DeepSeek's always-on experts, when it has them
 
-Dropless: every token reaches its top_k experts, however uneven the load.
+Dropless by default: every token reaches its top_k experts, however uneven the load. With a
+``capacity_factor`` each expert takes at most ``ceil(capacity_factor * T * top_k / E)`` of a
+forward's (token, expert) pairs, the earliest tokens first; the others are dropped (the token
+keeps its other experts and the residual) and counted (``dropped``; the step's ``moe_dropped``).
 
 **Routing** (``TokenChoiceTopKRouter``): scores are ``softmax`` of the gate's logits (Qwen3-MoE,
 Mixtral) or their ``sigmoid`` (DeepSeek-V3). The top_k experts are chosen on the scores plus the
@@ -42,6 +45,8 @@ it (CUDA, bfloat16), else one matmul per expert on its slice of rows (exact, any
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,6 +55,7 @@ __all__ = [
     "GroupedExperts",
     "MoE",
     "TokenChoiceTopKRouter",
+    "dropped_pairs",
     "expert_loads",
     "mean_aux_loss",
     "moe_layers",
@@ -202,11 +208,15 @@ class MoE(nn.Module):
         shared_hidden_dim: int = 0,
         aux_loss_coef: float = 0.0,
         aux_loss: str = "batch",
+        capacity_factor: float | None = None,
         init_std: float = 0.02,
     ):
         super().__init__()
         if aux_loss not in ("batch", "sequence"):
             raise ValueError(f"MoE: aux_loss must be 'batch' or 'sequence', got {aux_loss!r}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"MoE: capacity_factor must be positive or None (dropless), got {capacity_factor!r}")
+        self.capacity_factor = capacity_factor
         self.num_experts, self.top_k = num_experts, top_k
         self.router = TokenChoiceTopKRouter(
             dim, num_experts, top_k, score_func=score_func, route_norm=route_norm, route_scale=route_scale,
@@ -224,6 +234,7 @@ class MoE(nn.Module):
         self.aux_loss_sum, self.aux_loss_count = 0.0, 0  # since the last mean_aux_loss
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
 
     def reset_parameters(self) -> None:
         self.router.reset_parameters()
@@ -239,6 +250,7 @@ class MoE(nn.Module):
         device = self.router.gate.weight.device
         self.expert_bias = torch.zeros(self.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
+        self.dropped = torch.zeros((), device=device)
 
     @torch.compiler.disable  # data-dependent shapes (each expert's rows); a compiled block runs it eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +264,9 @@ class MoE(nn.Module):
         if not recomputing:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        order = flat.argsort(stable=True)  # the (token, expert) pairs, grouped by expert
+        order = flat.argsort(stable=True)  # the (token, expert) pairs, grouped by expert, in token order
+        if self.capacity_factor is not None:
+            order, counts = self._within_capacity(order, counts, tokens.shape[0], recomputing)
         token_of = order // self.top_k
         routed = self.experts(tokens[token_of], counts)
         routed = routed * weights.flatten()[order, None]
@@ -266,6 +280,21 @@ class MoE(nn.Module):
                 self.aux_loss_sum, self.aux_loss_count = self.aux_loss_sum + aux.detach(), self.aux_loss_count + 1
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
         return out
+
+    def _within_capacity(
+        self, order: torch.Tensor, counts: torch.Tensor, n_tokens: int, recomputing: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sorted pairs each expert takes: at most ``ceil(capacity_factor * T * top_k / E)``,
+        the earliest tokens first (Switch Transformer's rule); the rest are dropped (the token
+        keeps its other experts, and the residual) and counted in ``dropped``."""
+        capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.num_experts)
+        starts = counts.cumsum(0) - counts
+        position = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(counts)
+        kept = position < capacity
+        if not recomputing:
+            with torch.no_grad():
+                self.dropped += (~kept).sum().to(self.dropped.dtype)
+        return order[kept], counts.clamp(max=capacity)
 
     def _aux_loss(self, scores: torch.Tensor, experts: torch.Tensor, B: int, S: int) -> torch.Tensor:
         """``coef * E * sum_e f_e * P_e`` (module doc), over the micro-batch or over each sequence."""
@@ -314,6 +343,21 @@ def mean_aux_loss(layers: dict[str, MoE]) -> float | None:
             any_loss = True
         layer.aux_loss_sum, layer.aux_loss_count = 0.0, 0
     return total if any_loss else None
+
+
+@torch.no_grad()
+def dropped_pairs(layers: dict[str, MoE], reduce=None) -> float | None:
+    """(token, expert) pairs past their expert's capacity since the last call, over ``layers``
+    (then zeroed) and the ranks ``reduce`` sums over; None when no layer has a capacity."""
+    capped = [layer for layer in layers.values() if layer.capacity_factor is not None]
+    if not capped:
+        return None
+    total = torch.stack([layer.dropped for layer in capped]).sum().reshape(1)
+    if reduce is not None:
+        reduce(total)
+    for layer in capped:
+        layer.dropped.zero_()
+    return float(total)
 
 
 @torch.no_grad()

@@ -46,6 +46,9 @@ class Qwen3MoeConfig(LlamaConfig):
     """Coefficient of the load-balancing loss, per sparse layer (0: none)."""
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing: each step moves every expert's routing bias by this toward balance (0: off)."""
+    capacity_factor: float | None = None
+    """Each expert takes at most capacity_factor x its even share of a forward's tokens, the rest dropped and
+    counted (None: dropless)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,7 +98,7 @@ class Qwen3Moe(Llama):
         if cfg.is_sparse(layer_id):
             block.feed_forward = MoE(
                 cfg.dim, cfg.moe_hidden_dim, cfg.num_experts, cfg.experts_per_token,
-                route_norm=cfg.route_norm, aux_loss_coef=cfg.aux_loss_coef,
+                route_norm=cfg.route_norm, aux_loss_coef=cfg.aux_loss_coef, capacity_factor=cfg.capacity_factor,
                 init_std=block.feed_forward.init_std,
             )  # fmt: skip
         return block
