@@ -8,8 +8,8 @@ ranks, inside one node when ``ep <= gpus_per_node / tp``.
 - **memory** (fp32 parameters, gradients and AdamW's two moments: 16 bytes per parameter):
   the dense parameters (attention, norms, routers, shared experts, dense layers, embedding, head)
   fully sharded over dp_shard (their tp-split ones over tp too); the routed experts: E / ep of each
-  layer's, held whole on each rank (hpservice does not yet shard them over the remaining
-  ``dp_shard / ep`` ranks, torchtitan's ``dp_shard_mod_ep``: that column would divide them by it);
+  layer's per ep rank, fully sharded again over the ``dp_shard / ep`` ranks holding the same ones
+  (``dp_shard_mod_ep``): in all, the experts divided by dp_shard;
 - **all-to-all per step**: each sparse layer sends every (token, expert) pair whose expert lives
   on another ep rank there and back, forward and backward::
 
@@ -17,8 +17,9 @@ ranks, inside one node when ``ep <= gpus_per_node / tp``.
 
   (uniform routing: a pair stays on its rank with probability 1 / ep), at NVLink speed when the ep
   group is inside a node, else at InfiniBand speed (``--nvlink-gbs`` / ``--ib-gbs``, per GPU);
-- **expert gradient all-reduce**: each rank's local experts' fp32 gradients, summed over the
-  ``dp / ep`` ranks holding the same experts (ring: ``2 (n - 1) / n`` of the bytes), across nodes;
+- **fully_shard of the experts** over dp_shard_mod_ep: all-gather of a rank's E / ep experts
+  forward and backward, reduce-scatter of their fp32 gradients, and with dp_replicate the
+  all-reduce of each shard's gradients over the replicas (across nodes);
 - **fully_shard** of the dense parameters: all-gather forward and backward, reduce-scatter of the
   gradients (ring: ``(n - 1) / n`` of the gathered bytes each), inside a node;
 - tokens per rank: ``--micro-batch x --seq-len`` (one micro-batch; activations not estimated).
@@ -61,14 +62,19 @@ def moe_plan(family: str, flavor: str, *, gpus: int, gpus_per_node: int, tp: int
         p.numel() for n, p in model.named_parameters() if tp > 1 and n.endswith(".weight") and ("attention.w" in n or "feed_forward.w" in n)
     )  # fmt: skip
     dense_per_rank = (dense - tp_split) / dp_shard + tp_split / (dp_shard * tp)
-    experts_per_rank = expert_params / ep
     sparse = sum(cfg.is_sparse(i) for i in range(cfg.n_layers))
     tokens = micro_batch * seq_len
     a2a = 2 * 2 * sparse * tokens * cfg.experts_per_token * (ep - 1) / ep * cfg.dim * param_bytes
     ep_in_node = ep * tp <= gpus_per_node
     a2a_gbs = nvlink_gbs if ep_in_node else ib_gbs
     edp = dp // ep
-    expert_allreduce = _ring("all_reduce", edp, experts_per_rank * 4)
+    mod_ep, replicas = dp_shard // ep, dp // dp_shard
+    experts_gathered = expert_params / ep  # a rank's E / ep experts, unsharded
+    experts_per_rank = experts_gathered / mod_ep
+    expert_fsdp = 2 * _ring("all_gather", mod_ep, experts_gathered * param_bytes) + _ring(
+        "reduce_scatter", mod_ep, experts_gathered * 4
+    )
+    expert_replicas = _ring("all_reduce", replicas, experts_per_rank * 4)
     gathered = (dense - tp_split) + tp_split / tp  # one rank's unsharded dense parameters (tp pieces)
     fsdp_bytes = 2 * _ring("all_gather", dp_shard, gathered * param_bytes) + _ring("reduce_scatter", dp_shard, gathered * 4)
     fsdp_gbs = nvlink_gbs if dp_shard * tp <= gpus_per_node else ib_gbs
@@ -84,7 +90,8 @@ def moe_plan(family: str, flavor: str, *, gpus: int, gpus_per_node: int, tp: int
             "total_state": (dense_per_rank + experts_per_rank) * _STATE_BYTES / gib,
         },
         "all_to_all": {"bytes": a2a, "link": "nvlink" if ep_in_node else "infiniband", "seconds": a2a / (a2a_gbs * 1e9)},
-        "expert_grad_all_reduce": {"bytes": expert_allreduce, "seconds": expert_allreduce / (ib_gbs * 1e9) if edp > 1 else 0.0},
+        "expert_fully_shard": {"bytes": expert_fsdp, "seconds": expert_fsdp / (fsdp_gbs * 1e9)},
+        "expert_replica_all_reduce": {"bytes": expert_replicas, "seconds": expert_replicas / (ib_gbs * 1e9)},
         "fully_shard": {"bytes": fsdp_bytes, "seconds": fsdp_bytes / (fsdp_gbs * 1e9)},
         "tokens_per_rank": tokens,
     }
@@ -92,18 +99,20 @@ def moe_plan(family: str, flavor: str, *, gpus: int, gpus_per_node: int, tp: int
 
 def report(r: dict) -> str:
     lay, mem, p = r["layout"], r["memory_gib"], r["parameters"]
-    a2a, ear, fs = r["all_to_all"], r["expert_grad_all_reduce"], r["fully_shard"]
+    a2a, efs, rep, fs = r["all_to_all"], r["expert_fully_shard"], r["expert_replica_all_reduce"], r["fully_shard"]
     return "\n".join([
         f"{r['model']} on {lay['gpus']} GPUs ({lay['gpus_per_node']} per node): tp {lay['tp']} x dp_replicate "
         f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']}, ep {lay['ep']} (experts' data-parallel copies: {lay['expert_dp']})",
         f"parameters: {p['total'] / 1e9:,.1f}e9 ({p['experts'] / 1e9:,.1f}e9 routed experts in {p['sparse_layers']} sparse layers, "
         f"{p['dense'] / 1e9:,.2f}e9 the rest)",
         f"memory per rank (fp32 params, grads, AdamW): {mem['total_state']:,.1f} GiB = dense {mem['dense_state']:,.1f} "
-        f"(fully sharded) + experts {mem['expert_state']:,.1f} (1/{lay['ep']} of them, whole)",
+        f"(fully sharded) + experts {mem['expert_state']:,.1f} (1/{lay['ep']} of them per ep rank, sharded over "
+        f"the {lay['dp_shard'] // lay['ep']} ranks holding the same ones)",
         f"all-to-all per step ({r['tokens_per_rank']:,} tokens per rank): {a2a['bytes'] / 2**30:,.2f} GiB sent per rank, "
         f"{a2a['seconds'] * 1e3:,.1f} ms on {a2a['link']}",
-        f"expert gradients all-reduced over {lay['expert_dp']} copies: {ear['bytes'] / 2**30:,.2f} GiB per rank, "
-        f"{ear['seconds'] * 1e3:,.1f} ms across nodes",
+        f"fully_shard of the experts: {efs['bytes'] / 2**30:,.2f} GiB per rank per step, {efs['seconds'] * 1e3:,.1f} ms; "
+        f"their gradients all-reduced over {lay['dp_replicate']} replicas: {rep['bytes'] / 2**30:,.2f} GiB, "
+        f"{rep['seconds'] * 1e3:,.1f} ms across nodes",
         f"fully_shard of the dense parameters: {fs['bytes'] / 2**30:,.2f} GiB per rank per step, {fs['seconds'] * 1e3:,.1f} ms",
     ])  # fmt: skip
 

@@ -15,9 +15,10 @@ One forward of the experts on an ep rank, between the router (local) and the com
 
 The row exchanges are differentiable (``all_to_all``: the backward is the all-to-all with the
 split sizes swapped). Each rank's expert gradients then hold the contributions of its ep group's
-tokens; ``reduce_expert_gradients`` sums them over the ranks holding the same experts (the
-expert data-parallel ranks) and divides by the data-parallel size, which is what fully_shard's
-mean does for every other parameter: the step equals one process's on the whole batch.
+tokens. The trainer fully_shards the experts over the ranks holding the same ones (the expert
+data-parallel ranks, ``dp_shard_mod_ep``; ``apply_expert_fsdp``), whose reduce sums those and
+divides by the whole data-parallel size: the mean fully_shard takes for every other parameter,
+so the step equals one process's on the whole batch.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dtensor import DeviceMesh, DTensor, Shard
+from ..dtensor import DeviceMesh, Shard
 from .style import ParallelStyle, _distribute_param, _grad_hooks_pre_forward
 
-__all__ = ["ExpertParallel", "all_to_all", "apply_ep", "expert_parameters", "reduce_expert_gradients"]
+__all__ = ["ExpertParallel", "all_to_all", "apply_ep"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,24 +104,3 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         raise ValueError("parallelism.ep > 1 needs a model with mixture-of-experts layers (e.g. qwen3_moe)")
     for layer in layers:
         ExpertParallel()._apply(layer.experts, ep_mesh)
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The expert-parallel parameters of ``model`` (fully_shard leaves them alone)."""
-    from hpservice.models.moe import GroupedExperts
-
-    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
-
-
-@torch.no_grad()
-def reduce_expert_gradients(params: list[nn.Parameter], expert_dp_mesh: DeviceMesh | None, dp_size: int) -> None:
-    """Sum each expert gradient over ``expert_dp_mesh`` (the ranks holding the same experts; None:
-    none) and divide by ``dp_size``, the data-parallel ranks: the mean fully_shard takes."""
-    for p in params:
-        if p.grad is None:
-            continue
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        if expert_dp_mesh is not None:
-            for dim in range(expert_dp_mesh.ndim):
-                dist.all_reduce(local, group=expert_dp_mesh.get_group(dim))
-        local.div_(dp_size)

@@ -49,11 +49,11 @@ from hpservice.models import (
     resolve_name,
 )
 from hpservice.models.hf import load_hf_weights
-from hpservice.models.moe import expert_loads, mean_aux_loss, moe_layers, update_expert_biases
+from hpservice.models.moe import dropped_pairs, expert_loads, mean_aux_loss, moe_layers, update_expert_biases
 from hpservice.parallel import ParallelDims, vocab_parallel_cross_entropy
 from hpservice.parallel.context_parallel import context_parallel, document_ids_from_eos, document_masking
 from hpservice.parallel.context_parallel import positions as cp_positions
-from hpservice.parallel.expert_parallel import apply_ep, expert_parameters, reduce_expert_gradients
+from hpservice.parallel.expert_parallel import apply_ep
 from hpservice.parallel.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -105,25 +105,44 @@ def pick_device(spec: JobSpec) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec, ignored: list[nn.Parameter] = ()) -> None:
+def _fsdp_policies(spec: JobSpec) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    p = spec.parallelism
+    dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p.mixed_precision]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    return mp, CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()
+
+
+def apply_expert_fsdp(model: nn.Module, dims: ParallelDims, spec: JobSpec) -> None:
+    """fully_shard each expert-parallel ``GroupedExperts`` over the ranks that hold the same
+    experts (``dp_shard_mod_ep``, with ``dp_replicate``: HSDP), torchtitan's ``dp_shard_mod_ep``:
+    their ``Shard(0)`` pieces on the ep mesh are sharded again on a dim ep leaves whole. Their
+    gradients hold the ep group's tokens' contributions: the reduce divides by the whole
+    data-parallel size (``set_gradient_divide_factor``), the mean every other parameter gets."""
+    from hpservice.models.moe import GroupedExperts
+
+    names = ("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1 else ("dp_shard_mod_ep",)
+    mesh = dims.expert_mesh[names]
+    mp, offload = _fsdp_policies(spec)
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload)
+            module.set_gradient_divide_factor(dims.dp_size)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
     """fully_shard each block (``model.layers``, where the model has them), then the root
     (embeddings, final norm, head: everything not in a block). With ``reshard_after_forward`` the
     last block still keeps its parameters after forward, as torchtitan does: backward starts with
     it, so freeing them would only gather them again. A model without ``layers`` is one group:
-    correct, but its whole unsharded size is gathered at once. ``ignored``: parameters fully_shard
-    leaves alone (expert-parallel experts, whose gradients ``reduce_expert_gradients`` averages)."""
+    correct, but its whole unsharded size is gathered at once."""
     p = spec.parallelism
-    dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p.mixed_precision]
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    offload = CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()
+    mp, offload = _fsdp_policies(spec)
     layers = getattr(model, "layers", None)
     blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers) if layers is not None else []
     for i, block in enumerate(blocks):
         reshard = p.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(
-            block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload, ignored_params=ignored
-        )
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
@@ -392,8 +411,6 @@ class Trainer:
         self.pipeline = self._pipeline([s for s, _ in stages]) if self.pp_mesh is not None else None
         # mixture-of-experts layers: their aux loss's gradient scale, load metrics, routing biases
         self.moe = {k: v for part in self.model_parts for k, v in moe_layers(part).items()}
-        self._expert_params = [p for part in self.model_parts for p in expert_parameters(part)] if self.parallel_dims.ep > 1 else []
-        self._expert_dp_mesh = self.parallel_dims.expert_mesh[("dp_replicate", "dp_shard_mod_ep")] if self._expert_params else None
         n_micro = 1 if self.pp_mesh is not None else spec.training.grad_accum  # the pipeline divides its own
         for layer in self.moe.values():
             layer.aux_loss_scale = 1.0 / n_micro
@@ -466,13 +483,11 @@ class Trainer:
             apply_tp(model, self.parallel_dims.tp_mesh, spec)
             if spec.parallelism.sequence_parallel and not (first and last):
                 pass_local_shards_between_stages(model, self.parallel_dims.tp_mesh, first=first, last=last)
-        experts = []
         if self.parallel_dims.ep > 1:  # each layer's experts split over the ep ranks
             try:
                 apply_ep(model, self.parallel_dims.expert_mesh["ep"])
             except ValueError as e:
                 raise TrainingError(f"parallelism.ep {self.parallel_dims.ep}: {e}") from e
-            experts = expert_parameters(model)
         try:  # after tp, before fully_shard (torchtitan's order)
             apply_activation_checkpointing(model, spec)
             if spec.training.compile:
@@ -481,9 +496,9 @@ class Trainer:
         except ValueError as e:
             raise TrainingError(str(e)) from e
         if self.fsdp:
-            apply_fsdp(model, self.dp_mesh, spec, ignored=experts)
-            for module in {m for m in model.modules() for p in m.parameters(recurse=False) if any(p is e for e in experts)}:
-                module.to_empty(device=self.device)  # fully_shard allocated the others' shards
+            if self.parallel_dims.ep > 1:  # first: the blocks' fully_shard then leaves the experts to these groups
+                apply_expert_fsdp(model, self.parallel_dims, spec)
+            apply_fsdp(model, self.dp_mesh, spec)
         else:  # tp alone: allocate each rank's pieces (the styles re-install their gradient hooks)
             if spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
                 raise TrainingError(
@@ -699,8 +714,6 @@ class Trainer:
                     loss = self._micro_batch_loss(x, y) / accum
                     loss.backward()
                 loss_sum += loss.detach()
-        if self._expert_params:  # ep: what fully_shard's mean does for every other parameter
-            reduce_expert_gradients(self._expert_params, self._expert_dp_mesh, self.dp_size)
         loss_value, self._stopping = _step_consensus(loss_sum, self._stop.is_set(), self._loss_holders)
         if not math.isfinite(loss_value):
             self.optimizer.zero_grad()
@@ -741,7 +754,8 @@ class Trainer:
         summed over the ranks that saw other tokens), the routing biases moved toward balance
         (``bias_update_rate``), and the metrics: ``expert_load`` (layer -> tokens per expert),
         ``expert_imbalance`` (the largest max / mean load of a layer) and ``moe_aux_loss``
-        (this rank's). Under pipeline parallelism, of the layers of this rank's stages."""
+        (this rank's), ``moe_dropped`` (with a capacity factor: the (token, expert) pairs dropped,
+        over all layers and data ranks). Under pipeline parallelism, of the layers of this rank's stages."""
         loads = expert_loads(self.moe, reduce=self._sum_over_token_ranks)
         if self._bias_update_rate:
             update_expert_biases(self.moe, loads, self._bias_update_rate)
@@ -750,6 +764,9 @@ class Trainer:
         aux = mean_aux_loss(self.moe)
         if aux is not None:
             record["moe_aux_loss"] = aux
+        dropped = dropped_pairs(self.moe, reduce=self._sum_over_token_ranks)
+        if dropped is not None:
+            record["moe_dropped"] = dropped
         return record
 
     def _sum_over_token_ranks(self, t: torch.Tensor) -> None:

@@ -158,8 +158,8 @@ def test_pipeline_parallelism_plans_the_first_stage_its_bubble_and_its_transfers
 
 def test_plan_of_a_moe_model_with_expert_parallelism(capsys):
     """The MoE plan's numbers are its stated arithmetic on the model's own parameter counts: the
-    experts divided by ep, the rest by dp_shard; the all-to-all at NVLink speed while the ep group
-    fits a node, at InfiniBand speed past it."""
+    experts split over ep and sharded over the rest of dp_shard, the rest sharded over dp_shard;
+    the all-to-all at NVLink speed while the ep group fits a node, at InfiniBand speed past it."""
     from hpservice.bench.plan_moe import moe_plan
     from hpservice.models import build_model
     from hpservice.models.moe import GroupedExperts
@@ -172,12 +172,15 @@ def test_plan_of_a_moe_model_with_expert_parallelism(capsys):
     experts = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
     r = run(64, 8)
     assert r["parameters"]["experts"] == experts and round(r["parameters"]["total"] / 1e9, 1) == 30.5
-    assert r["memory_gib"]["expert_state"] == pytest.approx(experts / 8 * 16 / 2**30)
+    assert r["memory_gib"]["expert_state"] == pytest.approx(experts / 8 * 16 / 2**30)  # ep 8 = dp_shard 8
     assert r["memory_gib"]["dense_state"] == pytest.approx((r["parameters"]["dense"]) / 8 * 16 / 2**30)
     assert r["all_to_all"]["bytes"] == 2 * 2 * 48 * 4096 * 8 * (7 / 8) * 2048 * 2 and r["all_to_all"]["link"] == "nvlink"
-    assert r["layout"]["expert_dp"] == 8 and r["expert_grad_all_reduce"]["bytes"] == pytest.approx(2 * 7 / 8 * experts / 8 * 4)
-    wide = run(256, 32, dp_shard=32)
-    assert wide["all_to_all"]["link"] == "infiniband" and wide["memory_gib"]["expert_state"] == pytest.approx(experts / 32 * 16 / 2**30)
+    assert r["expert_fully_shard"]["bytes"] == 0  # each rank alone holds its experts in its node
+    assert r["expert_replica_all_reduce"]["bytes"] == pytest.approx(2 * 7 / 8 * experts / 8 * 4)  # over 8 replicas
+    wide = run(256, 4, dp_shard=32)  # experts split over 4, sharded over the 8 ranks holding the same ones
+    assert wide["all_to_all"]["link"] == "nvlink" and wide["memory_gib"]["expert_state"] == pytest.approx(experts / 32 * 16 / 2**30)
+    assert wide["expert_fully_shard"]["bytes"] == pytest.approx(7 / 8 * experts / 4 * (2 * 2 + 4))
+    assert run(256, 32, dp_shard=32)["all_to_all"]["link"] == "infiniband"
     with pytest.raises(ValueError, match="ep 3 must divide dp_shard 8"):
         run(64, 3)
     from hpservice.bench.__main__ import main

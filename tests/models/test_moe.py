@@ -85,6 +85,28 @@ def test_the_aux_loss_is_its_formula_and_its_gradient_joins_the_backward(score_f
     assert aux > 0
 
 
+def test_a_capacity_factor_drops_the_latest_pairs_past_capacity_and_counts_them():
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 4, 2, capacity_factor=0.5)  # each expert takes ceil(0.5 * 40 * 2 / 4) = 10 pairs
+    out = moe(X.view(4, 10, 16)).view(40, 16)
+    weights, experts, _ = moe.router(X)
+    e = moe.experts
+    taken = dict.fromkeys(range(4), 0)
+    expected = torch.zeros(40, 16)
+    for t in range(40):  # pairs in token order: an expert past its 10 takes no more
+        for j, i in enumerate(experts[t].tolist()):
+            if taken[i] < 10:
+                taken[i] += 1
+                h = F.linear(F.silu(F.linear(X[t], e.w1[i])) * F.linear(X[t], e.w3[i]), e.w2[i])
+                expected[t] += weights[t, j] * h
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    demand = torch.bincount(experts.flatten(), minlength=4)
+    assert float(moe.dropped) == float((demand - demand.clamp(max=10)).sum()) > 0
+    assert expert_loads({"0": moe})["0"] == demand.float().tolist()  # the load is the routing's demand
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        MoE(16, 24, 4, 2, capacity_factor=0.0)
+
+
 def test_the_bias_update_moves_toward_balance():
     moe = MoE(16, 24, 4, 1, score_func="sigmoid")
     loads = {"0": [70.0, 10.0, 10.0, 10.0]}
@@ -103,10 +125,10 @@ def _train(spec):
     return train(spec)
 
 
-def _moe_job(tmp, aux_loss_coef=0.01, model="qwen3_moe", **sections):
+def _moe_job(tmp, aux_loss_coef=0.01, model="qwen3_moe", capacity_factor=None, **sections):
     from tests._jobs import tiny_llama_job
 
-    overrides = {"aux_loss_coef": aux_loss_coef, "bias_update_rate": 0.001}
+    overrides = {"aux_loss_coef": aux_loss_coef, "bias_update_rate": 0.001, "capacity_factor": capacity_factor}
     return tiny_llama_job(
         tmp, model={"name": model, "flavor": "tiny", "overrides": overrides},
         training={"steps": 6, "max_grad_norm": 1.0, **sections.pop("training", {})}, **sections,
@@ -141,16 +163,21 @@ def test_data_parallel_moe_training_equals_one_process_and_resumes_exactly(ranks
         ("qwen3_moe", 4, {"ep": 2, "dp_replicate": 2}),
         ("deepseek_v3", 2, {"ep": 2}),
         ("deepseek_v3", 4, {"ep": 2, "tp": 2, "sequence_parallel": True}),
+        ("capacity", 2, {"ep": 2}),
     ],
-    ids=["ep2", "ep2xedp2", "ep4", "ep2xtp2", "hsdp2xep2", "deepseek-ep2", "deepseek-ep2xtp2-sp"],
+    ids=["ep2", "ep2xedp2", "ep4", "ep2xtp2", "hsdp2xep2", "deepseek-ep2", "deepseek-ep2xtp2-sp", "ep2-capacity"],
 )
 def test_expert_parallel_training_equals_one_process(ranks, tmp_path, model, world, parallelism):
     """Experts split over ep ranks, tokens exchanged with all-to-all, composed with FSDP (the
     experts' data-parallel copies averaging their gradients), tp and HSDP: every step's loss and
     expert loads equal one process's on the same micro-batches, biases and aux loss included."""
     dp = world // parallelism.get("tp", 1)
-    ep = ranks(world).run(_train, _moe_job(tmp_path / "ep", model=model, parallelism=parallelism))[0]
-    one = ranks(1).run(_train, _moe_job(tmp_path / "one", model=model, training={"grad_accum": dp}))[0]
+    capacity = 1.0 if model == "capacity" else None  # tokens dropped past capacity, the same ones
+    model = "qwen3_moe" if model == "capacity" else model
+    ep = ranks(world).run(_train, _moe_job(tmp_path / "ep", model=model, capacity_factor=capacity, parallelism=parallelism))[0]
+    one = ranks(1).run(_train, _moe_job(tmp_path / "one", model=model, capacity_factor=capacity, training={"grad_accum": dp}))[0]
+    if capacity:
+        assert all(r["moe_dropped"] > 0 for r in ep) and [r["moe_dropped"] for r in ep] == [r["moe_dropped"] for r in one]
     assert [r["loss"] for r in ep] == pytest.approx([r["loss"] for r in one], abs=1e-5)
     assert [r["grad_norm"] for r in ep] == pytest.approx([r["grad_norm"] for r in one], abs=1e-5)
     assert [r["expert_load"] for r in ep] == [r["expert_load"] for r in one]
@@ -186,6 +213,26 @@ def test_an_expert_parallel_layer_computes_what_one_device_does(ranks):
     experts' gradients hold every rank's tokens' contributions (before the data-parallel mean)."""
     loads = ranks(2).run(_expert_parallel_layer, 2)
     assert loads[0] != loads[1]  # the ranks sent uneven numbers of tokens to each expert
+
+
+def _expert_shard(spec):
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    w1 = trainer.model.layers["1"].feed_forward.experts.w1
+    shape = (tuple(w1.shape), tuple(w1.to_local().shape), sum(p.to_local().numel() for p in trainer.model.parameters()))
+    trainer.close()
+    return shape
+
+
+def test_experts_are_split_over_ep_and_sharded_over_the_other_data_ranks(ranks, tmp_path):
+    """On 4 ranks with ep 2 each rank holds 4 of the 8 experts, fully_shard splits them again over
+    the 2 ranks holding the same experts (torchtitan's dp_shard_mod_ep): an eighth of the experts'
+    weights per rank, as of everything else."""
+    shards = ranks(4).run(_expert_shard, _moe_job(tmp_path, parallelism={"ep": 2}))
+    assert all(s[0] == (8, 32, 64) and s[1] == (4, 16, 64) for s in shards), shards
+    full = ranks(1).run(_expert_shard, _moe_job(tmp_path / "one"))[0]
+    assert sum(s[2] for s in shards) == full[2]  # every parameter held once over the 4 ranks
 
 
 def test_expert_parallel_checkpoints_reshard_between_ep_sizes(ranks, tmp_path):
