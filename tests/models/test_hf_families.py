@@ -249,3 +249,26 @@ def test_a_spec_naming_another_family_is_refused_before_it_starts(tmp_path):
     with pytest.raises(SpecError, match=r"imports Hugging Face checkpoints into llama, qwen2, qwen3, mistral, qwen3_moe, deepseek_v3, not 'mlp'"):
         tiny_llama_job(tmp_path, model={"name": "mlp", "flavor": None, "init_from": str(tmp_path / "hf")})
     assert config_from_hf(tmp_path / "hf").qk_norm and config_from_hf(tmp_path / "hf").attn_head_dim == 24
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_expert_parallel_job_starts_from_the_imported_weights(ranks, tmp_path, family):
+    """``init_from`` under ep 2 x FSDP on 4 ranks (each rank reads its experts' slices): the first
+    step's loss is transformers' loss on that step's batch."""
+    import torch.nn.functional as F
+
+    from hpservice.data import build_source
+    from tests._jobs import tiny_llama_job
+
+    hf_dir = tmp_path / "hf"
+    _hf_checkpoint(hf_dir, family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    inputs, targets = build_source("synthetic", vocab_size=100, seed=0).batch(0, 0, 1, 8, 32)
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
+    spec = tiny_llama_job(
+        tmp_path / "run", model={"name": None, "flavor": None, "init_from": str(hf_dir)},
+        data={"vocab_size": 100}, training={"steps": 1}, resources={"workers": 4}, parallelism={"ep": 2},
+    )  # fmt: skip
+    losses = ranks(4).run(_train, spec)
+    assert losses[0][0] == pytest.approx(expected, abs=1e-5), (losses, expected)
