@@ -7,8 +7,10 @@
         out = h + FeedForward(RMSNorm(h))      # SwiGLU MLP
 
 The same shapes as Meta's Llama 3 (``LLAMA_FLAVORS["1B"]`` / ``["8B"]``), in the style of nanoGPT /
-torchtitan. Training only: no KV cache. The Llama 3.1 long-context RoPE frequency scaling is not
-implemented (plain ``rope_theta`` frequencies).
+torchtitan; Llama 3.1's long-context rope scaling included. Generation's key/value cache is
+``generate.py``'s. The Qwen2, Qwen3 and Mistral families are this decoder with the variants at the
+end of ``LlamaConfig`` (their files hold their flavors); Qwen3-MoE and DeepSeek-V3 replace its
+feed-forward (and DeepSeek its attention) through ``Llama.build_block``.
 
 Initialisation contract (what the trainer relies on):
 
