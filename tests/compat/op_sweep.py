@@ -22,9 +22,11 @@ Run on its own: ``python -m tests.compat.op_sweep [--ranks 2] [--ops name,...]``
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -282,6 +284,28 @@ def _both(names, samples_per_op):
     return sweep("hpservice", names, samples_per_op), sweep("torch", names, samples_per_op)
 
 
+# torch's side of the sweep, recorded by --write for the torch it ran with: torch's DTensor does
+# not change until torch does, so CI runs only ours against it (and runs torch's again, live,
+# under any other torch version).
+TORCH_RECORD = Path(__file__).with_name("torch_dtensor_ops.json")
+
+
+def record_torch(theirs: dict, world: int, samples_per_op: int) -> str:
+    return json.dumps({"torch": torch.__version__, "world": world, "samples_per_op": samples_per_op, "results": theirs},
+                      indent=0, sort_keys=True) + "\n"  # fmt: skip
+
+
+def recorded_torch(world: int, samples_per_op: int) -> dict | None:
+    """torch's results from ``TORCH_RECORD`` if they were recorded with this torch and these
+    settings, else None (run them)."""
+    if not TORCH_RECORD.is_file():
+        return None
+    data = json.loads(TORCH_RECORD.read_text())
+    if (data["torch"], data["world"], data["samples_per_op"]) != (torch.__version__, world, samples_per_op):
+        return None
+    return {op: {p: tuple(r) for p, r in per.items()} for op, per in data["results"].items()}
+
+
 def listed(results: dict, outcome: str) -> dict[tuple[str, str], str]:
     """{(op key, placement): detail} of one outcome."""
     return {(k, p): d for k, per in results.items() for p, (o, d) in per.items() if o == outcome}
@@ -350,3 +374,4 @@ if __name__ == "__main__":
                     print(f"{name:9s} {outcome:6s} {key:40s} {placement:9s} {detail}")
     if a.write:
         a.write.write_text(document(ours, theirs, a.ranks, a.samples))
+        TORCH_RECORD.write_text(record_torch(theirs, a.ranks, a.samples))
