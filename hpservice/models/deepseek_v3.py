@@ -13,7 +13,9 @@ plus a rotary part of the key (``qk_rope_head_dim``) shared by all heads::
     attention(q = [q_nope | rope(q_pe)], k = [k_nope | rope(k_pe)], v), scale 1 / sqrt(qk_head_dim)
 
 The rotary dims are rotated in interleaved pairs, as DeepSeek's weights are laid out
-(``rope_interleave``), so a Hugging Face checkpoint's rows load unpermuted.
+(``rope_interleave``), so a Hugging Face checkpoint's rows load unpermuted. With YaRN frequencies
+(DeepSeek-V3's long-context config) the softmax scale is multiplied by ``yarn_mscale(factor,
+mscale_all_dim) ** 2``, as DeepSeek's reference does.
 
 **MoE** (``moe.py``): ``num_experts`` routed experts, ``experts_per_token`` per token, scores
 ``sigmoid`` of the gate's logits; each token chooses among the ``n_limited_groups`` best of
@@ -25,8 +27,8 @@ aux-loss-free balancing); the weights, the chosen scores renormalised (``route_n
 transformers' DeepSeek-V3 has none.
 
 Hugging Face's ``DeepseekV3ForCausalLM`` (``model_type: deepseek_v3``) imports with
-``model.init_from`` and exports back (``hf.py``). YaRN long-context frequencies and
-``rope_interleave: false`` are refused on import (not built yet), never approximated.
+``model.init_from`` and exports back (``hf.py``). ``rope_interleave: false`` is refused on import
+(not built yet), never approximated.
 Tensor parallelism: the query and the per-head key/value up-projection colwise, the output rowwise
 (the compressed latent, one head, is computed whole on every tp rank); MoE layers replicated.
 """
@@ -42,7 +44,7 @@ from torch import nn
 from hpservice.dtensor import DTensor, Partial, Replicate
 from hpservice.parallel.context_parallel import scaled_dot_product_attention
 
-from .llama import Llama, LlamaConfig, RMSNorm, TransformerBlock, _init_linear, apply_rope
+from .llama import Llama, LlamaConfig, RMSNorm, TransformerBlock, _init_linear, apply_rope, yarn_mscale
 from .moe import MoE
 
 
@@ -130,7 +132,8 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepseekV3Config] = {
         num_experts=8, experts_per_token=2, moe_hidden_dim=32, n_shared_experts=1, first_dense_layers=1,
         n_expert_groups=4, n_limited_groups=2, route_scale=2.5,
     ),
-    # DeepSeek-V3 (671e9 parameters, 37e9 active), without its YaRN long-context frequencies.
+    # DeepSeek-V3 (671e9 parameters, 37e9 active) at its pretraining context (4096; its YaRN config
+    # extends it to 163840: model.overrides rope_scaling / max_seq_len, or init_from its checkpoint).
     "671B": DeepseekV3Config(
         dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280, hidden_dim=18432, norm_eps=1e-6,
         max_seq_len=4096, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -150,6 +153,9 @@ class MLAttention(nn.Module):
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.softmax_scale = cfg.qk_head_dim**-0.5
+        yarn = cfg.rope_scaling if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "yarn" else None
+        if yarn and yarn.get("mscale_all_dim"):  # DeepSeek's YaRN: a sharper softmax over the longer context
+            self.softmax_scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
         self.sliding_window = None
         self.tp_mesh = None  # set by the tensor-parallel plan: k_pe's gradient sums over its ranks' heads
         self.init_std = init_std

@@ -8,7 +8,7 @@ A checkpoint directory holds ``config.json`` and ``model.safetensors``, or shard
 - ``config_from_hf(dir)`` maps the config (hidden size, layers, heads, KV heads, head_dim,
   intermediate size, rope theta, RMS eps, tied embeddings, vocab; Qwen2's q/k/v biases, Qwen3's
   q/k norms, Mistral's sliding window) to a ``LlamaConfig`` (transformers 4's ``rope_theta`` /
-  ``rope_scaling`` and 5's ``rope_parameters``; plain and Llama 3 ``llama3`` frequencies).
+  ``rope_scaling`` and 5's ``rope_parameters``; plain, Llama 3 ``llama3`` and YaRN ``yarn`` frequencies).
   Anything we would compute differently is refused with the key and the value (other rope
   types, output-projection or MLP biases, Qwen's per-layer sliding windows, an activation other
   than SiLU), never approximated.
@@ -126,12 +126,19 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
         scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
         if scaling.get("rope_type") == "default":
             scaling = None
-        elif scaling.get("rope_type") != "llama3":
+        elif scaling.get("rope_type") not in ("llama3", "yarn"):
             key = "rope_parameters" if v5 else "rope_scaling"
             raise HFFormatError(
-                f"{where}: {key} of rope_type {scaling.get('rope_type')!r} is not supported: plain and Llama 3 "
-                "('llama3') frequencies are implemented"
+                f"{where}: {key} of rope_type {scaling.get('rope_type')!r} is not supported: plain, Llama 3 "
+                "('llama3') and YaRN ('yarn') frequencies are implemented"
             )
+        elif scaling.get("rope_type") == "yarn":
+            scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+            if scaling.get("factor") is None:  # transformers: the ratio of the two contexts
+                scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
+            refuse_partial = scaling.get("partial_rotary_factor", 1.0) != 1.0
+            if refuse_partial:
+                raise HFFormatError(f"{where}: partial_rotary_factor = {scaling['partial_rotary_factor']!r} is not supported")
     if found != "qwen2":  # Qwen2's q/k/v always have biases; the others' attention_bias adds o_proj's too
         refuse("attention_bias", (None, False), "biases on all four attention projections are not implemented")
     refuse("mlp_bias", (None, False), "our MLP projections have no bias")

@@ -87,8 +87,11 @@ class LlamaConfig:
     """The SwiGLU hidden size itself (Hugging Face's ``intermediate_size``); None: derived from
     dim, ffn_dim_multiplier and multiple_of as in Meta's reference."""
     rope_scaling: dict | None = None
-    """Llama 3.1's long-context frequency scaling: ``{"rope_type": "llama3", "factor",
-    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``; None: plain."""
+    """Long-context frequency scaling: Llama 3.1's ``{"rope_type": "llama3", "factor",
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``, or YaRN's
+    ``{"rope_type": "yarn", "factor", "original_max_position_embeddings"}`` (plus its optional
+    ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``attention_factor``,
+    ``truncate``: Qwen3's and DeepSeek-V3's long-context configs); None: plain."""
     # The variants of the same decoder that other families use (``qwen2.py``, ``qwen3.py``,
     # ``mistral.py``); a Llama leaves them at their defaults.
     attn_head_dim: int | None = None
@@ -133,11 +136,14 @@ class LlamaConfig:
         if self.rope_theta <= 0:
             raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta}")
         if self.rope_scaling is not None:
-            keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-            if self.rope_scaling.get("rope_type") != "llama3" or not keys <= set(self.rope_scaling):
+            kind = self.rope_scaling.get("rope_type")
+            keys = _ROPE_KEYS.get(kind)
+            if keys is None or not keys <= set(self.rope_scaling):
                 raise ValueError(
-                    f"LlamaConfig.rope_scaling: only {{'rope_type': 'llama3', {', '.join(sorted(keys))}}} is "
-                    f"implemented, got {self.rope_scaling!r}"
+                    "LlamaConfig.rope_scaling: implemented are {'rope_type': 'llama3', "
+                    f"{', '.join(sorted(_ROPE_KEYS['llama3']))}}} and {{'rope_type': 'yarn', "
+                    f"{', '.join(sorted(_ROPE_KEYS['yarn']))}, optional beta_fast, beta_slow, mscale, mscale_all_dim, "
+                    f"attention_factor, truncate}}; got {self.rope_scaling!r}"
                 )
 
     @property
@@ -168,6 +174,11 @@ class LlamaConfig:
         """Query/key (and value) width over all heads, for the attention FLOPs: n_heads x head_dim."""
         return self.n_heads * self.head_dim
 
+
+_ROPE_KEYS = {
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings"},
+}
 
 LLAMA_FLAVORS: dict[str, LlamaConfig] = {
     # Runs in well under a second on a laptop CPU: for tests.
@@ -240,11 +251,46 @@ def precompute_rope(
     ``factor``, high ones kept, and the band between interpolated smoothly.
     """
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    if scaling is not None:
+    magnitude = 1.0
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        freqs, magnitude = _yarn_scaled(freqs, head_dim, theta, scaling)
+    elif scaling is not None:
         freqs = _llama3_scaled(freqs, scaling)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # [max_seq_len, head_dim // 2]
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return table * magnitude if magnitude != 1.0 else table
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_scaled(freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): the high frequencies (dims that turn more than ``beta_fast`` times
+    over the original context) kept, the low ones (fewer than ``beta_slow``) divided by ``factor``,
+    a linear ramp between; and the rotation's magnitude, which scales q.k (``attention_factor``,
+    by default ``yarn_mscale`` of the factor, or the ratio of ``mscale`` to ``mscale_all_dim``'s)."""
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    magnitude = scaling.get("attention_factor")
+    if magnitude is None:
+        magnitude = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else yarn_mscale(factor)
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dim that turns ``rotations`` times over the old context
+        return head_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=freqs.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as it is), 0: interpolate (divided by the factor)
+    return freqs / factor * (1 - keep) + freqs * keep, float(magnitude)
 
 
 def _llama3_scaled(freqs: torch.Tensor, scaling: dict) -> torch.Tensor:

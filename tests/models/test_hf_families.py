@@ -40,15 +40,19 @@ FAMILIES = {
 }
 
 
-def _hf_checkpoint(path, family, *, tied=False):
-    """A small random model of ``family`` saved by transformers; its logits on TOKENS."""
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 50000.0}
+
+
+def _hf_checkpoint(path, family, *, tied=False, **more):
+    """A small random model of ``family`` saved by transformers (``more``: other config
+    settings); its logits on TOKENS."""
     config_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     settings = dict(
         hidden_size=64, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=100, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tied,
     )  # fmt: skip
-    cfg = config_cls(**{**settings, **extra})
+    cfg = config_cls(**{**settings, **extra, **more})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # non-trivial norms and biases (transformers initialises them to 1 and 0)
         for name, p in model.named_parameters():
@@ -72,16 +76,28 @@ def _ours(path, device="cpu"):
 
 
 @pytest.mark.parametrize(
-    ("family", "tied"),
-    [("qwen2", False), ("qwen3", False), ("qwen3", True), ("mistral", False), ("qwen3_moe", False), ("deepseek_v3", False)],
+    ("family", "tied", "more"),
+    [
+        ("qwen2", False, {}),
+        ("qwen3", False, {}),
+        ("qwen3", True, {}),
+        ("qwen3", False, {"rope_parameters": YARN}),  # Qwen3's long-context config
+        ("mistral", False, {}),
+        ("qwen3_moe", False, {}),
+        ("deepseek_v3", False, {}),
+        # DeepSeek-V3's: YaRN with mscale / mscale_all_dim (a sharper softmax too)
+        ("deepseek_v3", False, {"rope_parameters": {**YARN, "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 16}}),
+    ],
+    ids=["qwen2", "qwen3", "qwen3-tied", "qwen3-yarn", "mistral", "qwen3_moe", "deepseek_v3", "deepseek_v3-yarn"],
 )
-def test_one_process_equals_transformers_and_saves_back(tmp_path, family, tied):
+def test_one_process_equals_transformers_and_saves_back(tmp_path, family, tied, more):
     from hpservice.models.generate import generate
 
-    expected = _hf_checkpoint(tmp_path / "hf", family, tied=tied)
+    expected = _hf_checkpoint(tmp_path / "hf", family, tied=tied, **more)
     assert hf_family(tmp_path / "hf") == family
     model = _ours(tmp_path / "hf")
     assert model_class(family) is type(model) and model.cfg.tie_embeddings == tied
+    assert (model.cfg.rope_scaling or {}).get("rope_type") == more.get("rope_parameters", {}).get("rope_type")
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), expected, rtol=0, atol=1e-5)
     # greedy generation with the key/value cache (past Mistral's window of 5) equals transformers'
@@ -225,7 +241,7 @@ def test_init_from_alone_fine_tunes_and_exports_to_transformers(ranks, tmp_path,
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window = True is not supported"),
         ("qwen3", {"attention_bias": True}, "attention_bias = True is not supported"),
         ("qwen3", {"architectures": ["GPT2LMHeadModel"]}, "architectures = ['GPT2LMHeadModel']"),
-        ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type 'yarn'"),
+        ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, "rope_type 'dynamic'"),
     ],
 )
 def test_what_we_cannot_compute_exactly_is_refused_naming_the_key(tmp_path, family, extra, fragment):
