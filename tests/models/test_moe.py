@@ -285,3 +285,12 @@ def test_activation_checkpointing_and_compile_train_moe_like_eager(ranks, tmp_pa
     assert [r["loss"] for r in ac] == [r["loss"] for r in eager]
     assert [r["expert_load"] for r in ac] == [r["expert_load"] for r in eager]
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], abs=1e-5)
+
+
+def test_pipeline_parallel_moe_training_equals_one_process(ranks, tmp_path):
+    """pp 2 (the dense first block and the MoE block on different ranks, 2 micro-batches): every
+    step's loss equals one process's on the same micro-batches, aux loss and bias updates included."""
+    pp = ranks(2).run(_train, _moe_job(tmp_path / "pp", parallelism={"pp": 2}))
+    one = ranks(1).run(_train, _moe_job(tmp_path / "one", training={"grad_accum": 2}))[0]
+    assert [r["loss"] for r in pp[1]] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    assert [r["expert_load"] for r in pp[1]] == [r["expert_load"] for r in one]  # the MoE block's stage
