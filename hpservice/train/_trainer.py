@@ -411,6 +411,7 @@ class Trainer:
         self.pipeline = self._pipeline([s for s, _ in stages]) if self.pp_mesh is not None else None
         # mixture-of-experts layers: their aux loss's gradient scale, load metrics, routing biases
         self.moe = {k: v for part in self.model_parts for k, v in moe_layers(part).items()}
+        self._has_moe = bool(self.moe) or bool(moe_layers(model))  # on some stage, if not this rank's
         n_micro = 1 if self.pp_mesh is not None else spec.training.grad_accum  # the pipeline divides its own
         for layer in self.moe.values():
             layer.aux_loss_scale = 1.0 / n_micro
@@ -741,7 +742,7 @@ class Trainer:
             "time": time.time(),  # wall clock at the end of the step (step periods, latency)
             **self.utilisation.record(tokens / elapsed / self.world),
         }
-        if self.moe:
+        if self._has_moe:
             record.update(self._moe_step())
         interval = spec.eval.interval
         if interval and (self.step % interval == 0 or self.step == spec.training.steps):
@@ -755,16 +756,24 @@ class Trainer:
         (``bias_update_rate``), and the metrics: ``expert_load`` (layer -> tokens per expert),
         ``expert_imbalance`` (the largest max / mean load of a layer) and ``moe_aux_loss``
         (this rank's), ``moe_dropped`` (with a capacity factor: the (token, expert) pairs dropped,
-        over all layers and data ranks). Under pipeline parallelism, of the layers of this rank's stages."""
+        over all layers and data ranks). Under pipeline parallelism every stage's layers, gathered
+        over the pp ranks (a stage of dense blocks contributes none)."""
         loads = expert_loads(self.moe, reduce=self._sum_over_token_ranks)
         if self._bias_update_rate:
             update_expert_biases(self.moe, loads, self._bias_update_rate)
-        imbalance = max(max(row) / max(sum(row) / len(row), 1e-9) for row in loads.values())
-        record = {"expert_load": loads, "expert_imbalance": imbalance}
         aux = mean_aux_loss(self.moe)
+        dropped = dropped_pairs(self.moe, reduce=self._sum_over_token_ranks)
+        if self.pp_mesh is not None:
+            stages = [None] * self.parallel_dims.pp
+            dist.all_gather_object(stages, (loads, aux, dropped), group=self.pp_mesh.get_group())
+            loads = dict(sorted(((k, v) for stage in stages for k, v in stage[0].items()), key=lambda kv: int(kv[0])))
+            auxes, drops = [s[1] for s in stages if s[1] is not None], [s[2] for s in stages if s[2] is not None]
+            aux, dropped = (sum(auxes) if auxes else None), (sum(drops) if drops else None)
+        record = {"expert_load": loads}
+        if loads:
+            record["expert_imbalance"] = max(max(row) / max(sum(row) / len(row), 1e-9) for row in loads.values())
         if aux is not None:
             record["moe_aux_loss"] = aux
-        dropped = dropped_pairs(self.moe, reduce=self._sum_over_token_ranks)
         if dropped is not None:
             record["moe_dropped"] = dropped
         return record
