@@ -235,12 +235,15 @@ def check_inputs(spec: JobSpec, visible: Callable[[Path], bool] = lambda p: True
 def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
     """The checkpoint has a config.json of a family we import, the one model.name names, with
     settings we compute exactly (``hf.config_from_hf``)."""
+    from hpservice.inputs import InputError
     from hpservice.models.hf import HFFormatError, config_from_hf
 
     if not (path / "config.json").is_file():
         return [("model.init_from", f"{raw}: no config.json (a Hugging Face checkpoint directory has one)")]
     try:
         config_from_hf(path, family=spec.model.name)
+    except InputError:  # a config.json leading out of its directory: say so, never what it reached
+        return [("model.init_from", f"{raw}: config.json resolves outside the checkpoint directory")]
     except (HFFormatError, KeyError, TypeError, ValueError) as e:
         what = f"config.json has no {e}" if isinstance(e, KeyError) else str(e)
         return [("model.init_from", what)]

@@ -71,11 +71,20 @@ class HFFormatError(ValueError):
     """A Hugging Face checkpoint we cannot read exactly: the file, the key, what we found."""
 
 
+_MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KiB; a bigger one is not read
+
+
 def _read_config(path: Path) -> dict:
+    """The checkpoint's ``config.json``: opened as an input that must lie in the checkpoint's own
+    directory (a symlink leading elsewhere is refused), and read only up to ``_MAX_CONFIG_BYTES``
+    (the server reads it at submit: a huge file must not stall it)."""
     config = Path(path) / "config.json"
     try:
-        with open_input(config, "r") as f:
-            return json.loads(f.read())
+        with open_input(config, "r", within=[Path(os.path.realpath(path))]) as f:
+            text = f.read(_MAX_CONFIG_BYTES + 1)
+        if len(text) > _MAX_CONFIG_BYTES:
+            raise HFFormatError(f"{config}: larger than {_MAX_CONFIG_BYTES} bytes, not a model config")
+        return json.loads(text)
     except InputError:
         raise
     except OSError as e:

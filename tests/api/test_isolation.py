@@ -190,6 +190,16 @@ def test_init_from_reads_only_the_owners_jobs_or_a_data_root(tmp_path):
         _rejected(c, _spec(model={"init_from": str(root / "llama-hf")}), "model.init_from", "not a family we import")
         llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 172, "vocab_size": 256,
                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+        # config.json is read at submit: a symlink out of the checkpoint (to another owner's JSON
+        # or a device) is refused without saying what it reached, and a huge file is not read whole
+        secret = tmp_path / "secret-config.json"
+        secret.write_text(json.dumps({**llama, "architectures": ["SecretArch"]}))
+        (root / "llama-hf" / "config.json").unlink()
+        (root / "llama-hf" / "config.json").symlink_to(secret)
+        _rejected(c, _spec(model={"init_from": str(root / "llama-hf")}), "model.init_from", "resolves outside the checkpoint")
+        (root / "llama-hf" / "config.json").unlink()
+        (root / "llama-hf" / "config.json").write_text(" " * (2 << 20) + "{}")
+        _rejected(c, _spec(model={"init_from": str(root / "llama-hf")}), "model.init_from", "not a model config")
         (root / "llama-hf" / "config.json").write_text(json.dumps(llama))
         bobs = c.post("/v1/jobs", json=_spec(), headers=_auth(BOB)).json()
         theirs = f"{bobs['spec']['metrics']['dir']}/hf"
