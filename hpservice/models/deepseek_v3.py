@@ -44,14 +44,15 @@ from torch import nn
 from hpservice.dtensor import DTensor, Partial, Replicate
 from hpservice.parallel.context_parallel import scaled_dot_product_attention
 
-from .llama import Llama, LlamaConfig, RMSNorm, TransformerBlock, _init_linear, apply_rope, yarn_mscale
-from .moe import MoE
+from .llama import Llama, RMSNorm, TransformerBlock, _init_linear, apply_rope, yarn_mscale
+from .moe import MoE, MoEConfig
 
 
 @dataclass
-class DeepseekV3Config(LlamaConfig):
-    """A ``LlamaConfig`` (dim, layers, heads, vocabulary, ``hidden_dim`` of the dense layers'
-    SwiGLU, norms, rope) with MLA's and the experts' fields. ``n_kv_heads`` must equal ``n_heads``."""
+class DeepseekV3Config(MoEConfig):
+    """A ``MoEConfig`` (dim, layers, heads, vocabulary, ``hidden_dim`` of the dense layers'
+    SwiGLU, norms, rope, the experts) with MLA's fields, shared experts and grouped routing.
+    ``n_kv_heads`` must equal ``n_heads``; its sequence-wise aux loss is ``aux_loss_coef``."""
 
     q_lora_rank: int | None = None
     """Rank of the query bottleneck (None: one projection)."""
@@ -63,22 +64,14 @@ class DeepseekV3Config(LlamaConfig):
     """Per-head query/key width with it (the key's is shared by all heads)."""
     v_head_dim: int = 16
     """Per-head value width."""
-    num_experts: int = 8
-    experts_per_token: int = 2
-    moe_hidden_dim: int = 32
-    n_shared_experts: int = 1
     first_dense_layers: int = 1
+    n_shared_experts: int = 1
+    """Always-on experts (one SwiGLU of n_shared_experts x moe_hidden_dim)."""
     n_expert_groups: int = 1
+    """Routing groups; each token chooses among the n_limited_groups best (node-limited routing)."""
     n_limited_groups: int = 1
-    route_norm: bool = True
     route_scale: float = 1.0
-    aux_loss_coef: float = 0.0
-    """Coefficient of the sequence-wise load-balancing loss, per sparse layer (0: none)."""
-    bias_update_rate: float = 0.0
-    """Aux-loss-free balancing: each step moves every expert's routing bias by this toward balance (0: off)."""
-    capacity_factor: float | None = None
-    """Each expert takes at most capacity_factor x its even share of a forward's tokens, the rest dropped and
-    counted (None: dropless)."""
+    """Multiplies the routing weights (``routed_scaling_factor``)."""
 
     hf_rotate_half: ClassVar[bool] = False  # DeepSeek's weights keep the rotary dims in interleaved pairs, as ours
 
@@ -113,15 +106,6 @@ class DeepseekV3Config(LlamaConfig):
 
     def attention_width(self) -> int:
         return self.n_heads * (self.qk_head_dim + self.v_head_dim) // 2
-
-    def is_sparse(self, layer_id: int) -> bool:
-        return layer_id >= self.first_dense_layers
-
-    def ffn_matmul_params(self, layer_id: int) -> int:
-        if not self.is_sparse(layer_id):
-            return super().ffn_matmul_params(layer_id)
-        active = self.experts_per_token + self.n_shared_experts
-        return self.dim * self.num_experts + active * 3 * self.dim * self.moe_hidden_dim
 
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepseekV3Config] = {

@@ -46,14 +46,18 @@ it (CUDA, bfloat16), else one matmul per expert on its slice of rows (exact, any
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .llama import LlamaConfig
+
 __all__ = [
     "GroupedExperts",
     "MoE",
+    "MoEConfig",
     "TokenChoiceTopKRouter",
     "dropped_pairs",
     "expert_loads",
@@ -61,6 +65,56 @@ __all__ = [
     "moe_layers",
     "update_expert_biases",
 ]
+
+
+@dataclass
+class MoEConfig(LlamaConfig):
+    """A ``LlamaConfig`` (``hidden_dim``: the dense layers' SwiGLU) with the experts' fields every
+    mixture-of-experts family shares (``qwen3_moe.py``, ``deepseek_v3.py`` add their own)."""
+
+    num_experts: int = 8
+    """Routed experts per sparse layer."""
+    experts_per_token: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_hidden_dim: int = 32
+    """Each expert's SwiGLU hidden size (Hugging Face's ``moe_intermediate_size``)."""
+    first_dense_layers: int = 0
+    """The first layers stay dense."""
+    route_norm: bool = True
+    """Renormalise each token's top-k weights to sum 1 (``norm_topk_prob``)."""
+    aux_loss_coef: float = 0.0
+    """Coefficient of the load-balancing loss, per sparse layer (0: none)."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing: each step moves every expert's routing bias by this toward balance (0: off)."""
+    capacity_factor: float | None = None
+    """Each expert takes at most capacity_factor x its even share of a forward's tokens, the rest dropped and
+    counted (None: dropless)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = type(self).__name__
+        for field in ("num_experts", "experts_per_token", "moe_hidden_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"{name}.experts_per_token ({self.experts_per_token}) must be at most num_experts ({self.num_experts})"
+            )
+        if self.first_dense_layers < 0 or self.aux_loss_coef < 0 or self.bias_update_rate < 0:
+            raise ValueError(f"{name}: first_dense_layers, aux_loss_coef and bias_update_rate must be >= 0")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"{name}.capacity_factor must be positive or None (dropless), got {self.capacity_factor!r}")
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return layer_id >= self.first_dense_layers
+
+    def ffn_matmul_params(self, layer_id: int) -> int:
+        """A sparse layer's active ones: the router, the experts a token reaches and the shared ones."""
+        if not self.is_sparse(layer_id):
+            return super().ffn_matmul_params(layer_id)
+        active = self.experts_per_token + getattr(self, "n_shared_experts", 0)
+        return self.dim * self.num_experts + active * 3 * self.dim * self.moe_hidden_dim
 
 
 class TokenChoiceTopKRouter(nn.Module):

@@ -22,55 +22,25 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .llama import Llama, LlamaConfig, TransformerBlock
-from .moe import MoE
+from .llama import Llama, TransformerBlock
+from .moe import MoE, MoEConfig
 
 
 @dataclass
-class Qwen3MoeConfig(LlamaConfig):
-    """A ``LlamaConfig`` (``hidden_dim``: the dense layers' SwiGLU) with the experts'."""
+class Qwen3MoeConfig(MoEConfig):
+    """``MoEConfig`` with Qwen3-MoE's sparse-layer step; its first dense layers are Hugging Face's
+    ``mlp_only_layers``."""
 
-    num_experts: int = 8
-    """Routed experts per sparse layer."""
-    experts_per_token: int = 2
-    """Experts each token is routed to (top-k)."""
-    moe_hidden_dim: int = 32
-    """Each expert's SwiGLU hidden size (Hugging Face's ``moe_intermediate_size``)."""
     moe_every: int = 1
     """Every moe_every-th layer is sparse (``decoder_sparse_step``)."""
-    first_dense_layers: int = 0
-    """The first layers stay dense (``mlp_only_layers`` = 0 .. first_dense_layers - 1)."""
-    route_norm: bool = True
-    """Renormalise each token's top-k weights to sum 1 (``norm_topk_prob``)."""
-    aux_loss_coef: float = 0.0
-    """Coefficient of the load-balancing loss, per sparse layer (0: none)."""
-    bias_update_rate: float = 0.0
-    """Aux-loss-free balancing: each step moves every expert's routing bias by this toward balance (0: off)."""
-    capacity_factor: float | None = None
-    """Each expert takes at most capacity_factor x its even share of a forward's tokens, the rest dropped and
-    counted (None: dropless)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("num_experts", "experts_per_token", "moe_hidden_dim", "moe_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Qwen3MoeConfig.{name} must be a positive int, got {value!r}")
-        if self.experts_per_token > self.num_experts:
-            raise ValueError(
-                f"Qwen3MoeConfig.experts_per_token ({self.experts_per_token}) must be at most num_experts ({self.num_experts})"
-            )
-        if self.first_dense_layers < 0 or self.aux_loss_coef < 0 or self.bias_update_rate < 0:
-            raise ValueError("Qwen3MoeConfig: first_dense_layers, aux_loss_coef and bias_update_rate must be >= 0")
+        if not isinstance(self.moe_every, int) or isinstance(self.moe_every, bool) or self.moe_every <= 0:
+            raise ValueError(f"Qwen3MoeConfig.moe_every must be a positive int, got {self.moe_every!r}")
 
     def is_sparse(self, layer_id: int) -> bool:
-        return layer_id >= self.first_dense_layers and (layer_id + 1) % self.moe_every == 0
-
-    def ffn_matmul_params(self, layer_id: int) -> int:
-        """A sparse layer's active ones: the router, and the experts_per_token experts a token reaches."""
-        if not self.is_sparse(layer_id):
-            return super().ffn_matmul_params(layer_id)
-        return self.dim * self.num_experts + self.experts_per_token * 3 * self.dim * self.moe_hidden_dim
+        return super().is_sparse(layer_id) and (layer_id + 1) % self.moe_every == 0
 
 
 QWEN3_MOE_FLAVORS: dict[str, Qwen3MoeConfig] = {
