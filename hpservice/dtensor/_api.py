@@ -10,6 +10,7 @@ functions, so gradients flow back with the matching placements (as in torch's DT
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -98,12 +99,49 @@ class DTensor(torch.Tensor):
             (self._wait_local().detach(), self._spec, self.requires_grad, isinstance(self, torch.nn.Parameter)),
         )
 
+    # ---- torch.compile: a traceable tensor subclass ------------------------------------------
+    # AOTAutograd traces our dispatch on the local tensor (collectives become functional ones,
+    # ``_collectives``); the spec is the compiled graph's metadata, guarded by equality.
+    # ``from_local`` / ``to_local`` / ``redistribute`` run eagerly (graph breaks between compiled
+    # regions), where torch's dynamo knows torch's own DTensor constructors.
     def __tensor_flatten__(self):
         return ["_local_tensor"], self._spec
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=inner_tensors["_local_tensor"].requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key AOTAutograd's on-disk cache files this tensor's graphs under. A graph traced
+        through our dispatch holds this rank's own work (which rank keeps a Partial's bias, where
+        an uneven shard ends) and the names of the process groups its collectives use, so the
+        key holds this rank's coordinate and those names besides the layout: another rank, or
+        a process whose groups are named otherwise, compiles its own graph."""
+        spec, local = self._spec, self._local_tensor
+        mesh = spec.mesh
+        key = (
+            type(self).__qualname__,
+            mesh.device_type,
+            mesh.mesh.tolist(),
+            mesh.mesh_dim_names,
+            mesh.get_coordinate(),
+            [mesh.get_group(i).group_name for i in range(mesh.ndim)] if mesh.get_coordinate() is not None else None,
+            [repr(p) for p in spec.placements],
+            spec.shape,
+            spec.stride,
+            self.requires_grad,
+            (str(local.dtype), tuple(local.shape), tuple(local.stride()), local.device.type, local.requires_grad),
+        )
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+    def __coerce_same_metadata_as_tangent__(self, expected_spec: DTensorSpec, expected_type=None):
+        """A compiled backward was traced for a gradient with ``expected_spec``: redistribute
+        this one to it (the same global value)."""
+        if expected_type is not None and expected_type is not DTensor:
+            return None
+        if expected_spec == self._spec:
+            return self
+        return self.redistribute(expected_spec.mesh, expected_spec.placements)
 
     # ---- torch.distributed.checkpoint protocol ------------------------------------------------
     # DCP asks each tensor for the chunk(s) this rank holds (global offsets and sizes) and for the
@@ -152,6 +190,7 @@ class DTensor(torch.Tensor):
 
     # ---- conversions -----------------------------------------------------------------------
     @staticmethod
+    @torch.compiler.disable
     def from_local(
         local_tensor: torch.Tensor,
         device_mesh: DeviceMesh | None = None,
@@ -199,6 +238,7 @@ class DTensor(torch.Tensor):
             return _FromLocal.apply(local_tensor, spec, grad_spec, grad_placements is not None)
         return DTensor(local_tensor, spec, requires_grad=False)
 
+    @torch.compiler.disable
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's piece; differentiable (the gradient comes back with ``grad_placements``,
         default this tensor's placements)."""
@@ -206,6 +246,7 @@ class DTensor(torch.Tensor):
             return self._wait_local()
         return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
 
+    @torch.compiler.disable
     def redistribute(
         self,
         device_mesh: DeviceMesh | None = None,
@@ -238,6 +279,7 @@ class DTensor(torch.Tensor):
             return _Redistribute.apply(src, dst, async_op, backward_dtype)
         return _redistribute(src, dst, async_op)
 
+    @torch.compiler.disable
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
         return self.redistribute(self._spec.mesh, replicate_all(self._spec.mesh)).to_local(

@@ -13,6 +13,10 @@ followed by one short one and empties, the valid data after a gather is simply t
 
 No function mutates its input unless told it owns it (``owned=True``), so redistributing a
 DTensor never changes its source (AUDIT 1).
+
+Under ``torch.compile`` (dynamo, or AOTAutograd tracing our dispatch on fake tensors) the same
+functions issue torch's functional collectives instead (``torch.distributed._functional_collectives``),
+which a graph records as ops; c10d's in-place async works cannot be traced.
 """
 
 from __future__ import annotations
@@ -21,13 +25,29 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_FUNCOL_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min", dist.ReduceOp.AVG: "avg"}
+
+
+def tracing(x: torch.Tensor) -> bool:
+    """Whether ``x`` is being traced by torch.compile (a fake tensor, or dynamo running)."""
+    return torch.compiler.is_compiling() or is_fake(x)
+
+
+def all_reduce_(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
+    """``dist.all_reduce(x, op)`` in place, synchronously; traceable."""
+    if tracing(x):
+        return x.copy_(funcol.all_reduce(x, _FUNCOL_OPS[op], group))
+    dist.all_reduce(x, op=op, group=group)
+    return x
 
 
 class Pending:
@@ -89,6 +109,8 @@ def _prepare_reduction(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup
 def all_reduce(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup, *, owned: bool = False) -> Pending:
     """Partial -> Replicate on one mesh dim."""
     buf, op, finish = _prepare_reduction(x.contiguous(), reduce_op, group, owned)
+    if tracing(buf):
+        return done(finish(funcol.all_reduce(buf, _FUNCOL_OPS[op], group)))
     work = dist.all_reduce(buf, op=op, group=group, async_op=True)
     return Pending(work, lambda: finish(buf))
 
@@ -99,16 +121,18 @@ def all_gather(x: torch.Tensor, dim: int, full_size: int, group: dist.ProcessGro
     chunk = -(-full_size // k)
     src = _pad_dim(x, dim, chunk).contiguous()
     # Collectives concatenate along dim 0: gather (k * d0, ...) and view it as (k, d0, ...).
-    out = src.new_empty((k * src.size(0),) + tuple(src.shape[1:]))
-    work = _all_gather_single(out, src, group=group, async_op=True)
 
-    def finish() -> torch.Tensor:
+    def finish(out: torch.Tensor) -> torch.Tensor:
         y = out if dim == 0 else out.view((k,) + tuple(src.shape)).movedim(0, dim).flatten(dim, dim + 1)
         # Uneven: drop the padding; a narrow of a dim > 0 is copied so that local pieces stay
         # contiguous (composite ops pick ``view`` from the DTensor's contiguous strides).
         return y if y.size(dim) == full_size else y.narrow(dim, 0, full_size).contiguous()
 
-    return Pending(work, finish)
+    if tracing(src):
+        return done(finish(funcol.all_gather_tensor(src, 0, group)))
+    out = src.new_empty((k * src.size(0),) + tuple(src.shape[1:]))
+    work = _all_gather_single(out, src, group=group, async_op=True)
+    return Pending(work, lambda: finish(out))
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.ProcessGroup, index: int) -> Pending:
@@ -126,14 +150,16 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.Proces
     else:  # (k, d0, ..., c, ...) -> (k * d0, ..., c, ...): the collective splits dim 0 in k
         out = buf.new_empty(tuple(buf.shape[1:]))
         buf = buf.flatten(0, 1)
-    work = _reduce_scatter_single(out, buf, op=op, group=group, async_op=True)
     size = max(0, min(chunk, full_size - index * chunk))
 
-    def finish_rs() -> torch.Tensor:
+    def finish_rs(out: torch.Tensor) -> torch.Tensor:
         y = finish(out)
         return y if size == chunk else y.narrow(dim, 0, size).contiguous()
 
-    return Pending(work, finish_rs)
+    if tracing(buf):
+        return done(finish_rs(funcol.reduce_scatter_tensor(buf, _FUNCOL_OPS[op], 0, group)))
+    work = _reduce_scatter_single(out, buf, op=op, group=group, async_op=True)
+    return Pending(work, lambda: finish_rs(out))
 
 
 def all_to_all(
@@ -150,11 +176,9 @@ def all_to_all(
     y = _pad_dim(_pad_dim(x, src_dim, c_src), dst_dim, c_dst * k)
     # (.., k*c_dst, ..) -> (k, ..., c_dst, ...): piece j goes to rank j; other dims keep their index + 1.
     send = y.unflatten(dst_dim, (k, c_dst)).movedim(dst_dim, 0).contiguous()
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     dst_size = max(0, min(c_dst, dst_full - index * c_dst))
 
-    def finish() -> torch.Tensor:
+    def finish(recv: torch.Tensor) -> torch.Tensor:
         # recv[j] is rank j's chunk of src_dim: put the k axis just before src_dim and merge.
         z = recv.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
         if z.size(src_dim) != src_full:
@@ -162,7 +186,11 @@ def all_to_all(
         z = z if dst_size == c_dst else z.narrow(dst_dim, 0, dst_size)
         return z.contiguous()
 
-    return Pending(work, finish)
+    if tracing(send):
+        return done(finish(funcol.all_to_all_single(send, None, None, group)))
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return Pending(work, lambda: finish(recv))
 
 
 def broadcast(x: torch.Tensor, group: dist.ProcessGroup, group_src: int) -> torch.Tensor:

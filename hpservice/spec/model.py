@@ -155,8 +155,8 @@ class TrainingSpec(_Section):
     )
     compile: bool = Field(
         False,
-        description="torch.compile each transformer block and the loss (torchtitan's per-block compile); FSDP and "
-        "HSDP, not yet tensor parallelism; on CPU needs a C++ compiler",
+        description="torch.compile each transformer block and the loss (torchtitan's per-block compile); composes "
+        "with every parallelism; on CPU needs a C++ compiler",
     )
     freeze: list[str] = Field(
         default_factory=list,
@@ -620,11 +620,6 @@ class JobSpec(_Section):
 
     @model_validator(mode="after")
     def _compile_composes(self):
-        if self.training.compile and self.parallelism.tp > 1:
-            raise ValueError(
-                "training.compile with parallelism.tp > 1 is not supported yet: hpservice's DTensor is not a traceable "
-                "tensor subclass (no __tensor_flatten__); compile composes with fully_shard (FSDP, HSDP) only"
-            )
         cp = self.parallelism.cp
         for where, data in (("data", self.data), ("eval.data", self.eval.data)):
             if cp > 1 and data is not None and data.seq_len % (2 * cp):

@@ -492,8 +492,10 @@ class Trainer:
         try:  # after tp, before fully_shard (torchtitan's order)
             apply_activation_checkpointing(model, spec)
             if spec.training.compile:
-                # ring attention and mixture-of-experts layers run eagerly between compiled parts
-                apply_compile(model, fullgraph=self.cp_mesh is None and not moe_layers(model))
+                # ring attention, mixture-of-experts layers and tensor-parallel boundaries (DTensor
+                # from_local / redistribute / to_local) run eagerly between compiled parts
+                eager_parts = self.cp_mesh is not None or moe_layers(model) or self.parallel_dims.tp > 1
+                apply_compile(model, fullgraph=not eager_parts)
         except ValueError as e:
             raise TrainingError(str(e)) from e
         if self.fsdp:

@@ -781,3 +781,94 @@ def test_distribute_module_follows_torchs_recipe(ranks):
             torch.testing.assert_close(mine[3][name], theirs[3][name], msg=name)
         assert mine[4] == theirs[4] == ["FutureWarning"]
         assert mine[5] == theirs[5]
+
+
+# ---- torch.compile of DTensor code ------------------------------------------------------------------
+
+
+def _tp_api(api):
+    if api is ours:
+        import hpservice.parallel as tp
+    else:
+        import torch.distributed.tensor.parallel as tp
+    return tp
+
+
+def _dtensor_fns():
+    return {
+        # local on the shards: Shard(0) x Replicate -> Shard(0)
+        "relu(a @ w) * 2": lambda a, w: (a @ w).relu() * 2,
+        # a softmax over the sharded dim: the graph itself gathers the shards
+        "softmax(a, 0) @ w": lambda a, w: torch.softmax(a, 0) @ w,
+        # a reduction over the sharded dim (a pending sum), scaled
+        "a.sum(0) * w[:, 0]": lambda a, w: a.sum(0) * w[:, 0],
+    }
+
+
+def _check_compile(cache_dir):
+    """The same DTensor code eager and compiled, through torch's DTensor and ours: values,
+    placements and gradients, and a tensor-parallel MLP (colwise then rowwise) compiled whole."""
+    import os
+
+    import torch._dynamo
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    world = dist.get_world_size()
+    full = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))  # 5 rows: uneven shards
+    weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    out = []
+    for api, mesh in _both(world):
+        torch._dynamo.reset()
+        results = {}
+        for name, fn in _dtensor_fns().items():
+            for mode, f in (("eager", fn), ("compiled", torch.compile(fn, backend="aot_eager", fullgraph=True))):
+                a = api.distribute_tensor(full, mesh, [api.Shard(0)]).requires_grad_()
+                w = api.distribute_tensor(weight, mesh, [api.Replicate()]).requires_grad_()
+                y = f(a, w)
+                (y * y).sum().backward()
+                results[(name, mode)] = (_names(y.placements), y.full_tensor().detach(), a.grad.full_tensor(), w.grad.full_tensor())
+        tp = _tp_api(api)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        tp.parallelize_module(model, mesh, {"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()})
+        eager = model(x)
+        eager.sum().backward()
+        eager_grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+        runs = []
+        # Twice: compiled, then from Inductor's on-disk caches (shared by the ranks, as on one
+        # machine): each rank's graph is its own (which rank adds the rowwise bias).
+        for _ in ("cold", "warm"):
+            torch._dynamo.reset()
+            model.zero_grad()
+            compiled = torch.compile(model, backend="inductor")(x)
+            compiled.sum().backward()
+            runs.append((compiled.detach(), [p.grad.full_tensor() for p in model.parameters()]))
+        out.append((results, type(compiled).__name__, eager.detach(), eager_grads, runs))
+    return out
+
+
+def test_compiled_dtensor_code_and_a_compiled_tensor_parallel_module_match_torch(ranks, tmp_path):
+    """Our DTensor is a traceable tensor subclass: compiled code gives eager's values, placements
+    and gradients, and torch's. (torch's dynamo also traces torch's from_local / redistribute;
+    ours run eagerly between compiled regions, so a tensor-parallel module compiles with graph
+    breaks at its boundaries: the same values.)"""
+    for mine, theirs in ranks(2).run(_check_compile, str(tmp_path / "inductor")):
+        assert mine[0].keys() == theirs[0].keys()
+        for key, (_placements, value, grad_a, grad_w) in theirs[0].items():
+            got = mine[0][key]
+            eager = mine[0][(key[0], "eager")]
+            assert got[0] == eager[0], key  # compiled keeps eager's layout (ours: reduced where torch leaves Partial)
+            for i, expected in ((1, value), (2, grad_a), (3, grad_w)):
+                torch.testing.assert_close(got[i], expected, rtol=1e-5, atol=1e-6, msg=str(key))
+                torch.testing.assert_close(got[i], eager[i], rtol=1e-6, atol=1e-6, msg=str(key))
+        assert mine[1] == theirs[1] == "Tensor"
+        torch.testing.assert_close(mine[2], theirs[2], rtol=1e-5, atol=1e-6)  # eager
+        for g_ours, g_torch in zip(mine[3], theirs[3], strict=True):
+            torch.testing.assert_close(g_ours, g_torch, rtol=1e-5, atol=1e-6)
+        for (y_ours, grads_ours), (y_torch, grads_torch) in zip(mine[4], theirs[4], strict=True):  # cold, warm
+            torch.testing.assert_close(y_ours, mine[2], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(y_ours, y_torch, rtol=1e-5, atol=1e-6)
+            for g_ours, g_eager, g_torch in zip(grads_ours, mine[3], grads_torch, strict=True):
+                torch.testing.assert_close(g_ours, g_eager, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(g_ours, g_torch, rtol=1e-5, atol=1e-6)

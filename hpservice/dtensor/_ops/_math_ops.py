@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .._collectives import all_reduce_
 from .._layout import DTensorSpec
 from ..placement_types import Partial, Placement, Shard
 from ._registry import (
@@ -297,7 +298,6 @@ def _norm_from_terms(value: torch.Tensor, op, ord_: float) -> torch.Tensor:
 
 
 def _local_norms(func, args, kwargs, *, ord_: float, mesh, sharded, single: bool):
-    import torch.distributed as dist
 
     tensors = [args[0]] if single else list(args[0])
     local = torch.stack([torch.linalg.vector_norm(t, ord_) for t in tensors])
@@ -312,7 +312,7 @@ def _local_norms(func, args, kwargs, *, ord_: float, mesh, sharded, single: bool
         index = torch.tensor(members, device=value.device)
         part = value[index]
         for i in dims:
-            dist.all_reduce(part, op=op, group=mesh.get_group(i))
+            all_reduce_(part, op, mesh.get_group(i))
         value[index] = part
     value = _norm_from_terms(value, op, ord_)
     outs = list(value.to(local.dtype).unbind(0))
@@ -343,7 +343,6 @@ def _vector_norm_dims_rule(args, kwargs) -> Decision:
 
 
 def _local_norm_dims(func, args, kwargs, *, ord_, dims, keepdim, dtype, mesh, reduced):
-    import torch.distributed as dist
 
     x = args[0]
     if x.numel() == 0 and ord_ in (float("inf"), float("-inf")):  # an empty piece (uneven shards):
@@ -354,7 +353,7 @@ def _local_norm_dims(func, args, kwargs, *, ord_, dims, keepdim, dtype, mesh, re
         local = torch.linalg.vector_norm(x, ord_, dims, keepdim, dtype=dtype)
     op, value = _norm_terms(local, ord_)
     for i in reduced:
-        dist.all_reduce(value, op=op, group=mesh.get_group(i))
+        all_reduce_(value, op, mesh.get_group(i))
     value = _norm_from_terms(value, op, ord_)
     return value.to(local.dtype)
 
@@ -508,7 +507,7 @@ def _local_nll_mean(func, args, kwargs, *, mesh, mesh_dims):
     local_sum, total_weight = func(x, target, weight, 2, ignore_index)
     total_weight = total_weight.clone()
     for i in mesh_dims:
-        dist.all_reduce(total_weight, group=mesh.get_group(i))
+        all_reduce_(total_weight, dist.ReduceOp.SUM, mesh.get_group(i))
     return local_sum / total_weight, total_weight
 
 
