@@ -57,3 +57,12 @@ def test_the_wheel_installs_the_layers_as_hpservice_api_and_actors(tmp_path):
         "hpservice/api/migrations/versions/0001_baseline.py",
         "hpservice/api/migrations/versions/0003_64_bit_steps.py",
     } <= set(names)
+
+
+def test_importing_the_trainer_does_not_load_torch_compile():
+    """Every training process (Ray worker, rank, CLI) imports the trainer: loading dynamo with it
+    would cost each about a second of CPU before any work (hpservice._graph_break)."""
+    code = "import sys, hpservice.train, hpservice.models, hpservice.parallel; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "False"

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_supported_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_supported_types
 
+from .._graph_break import eager_under_compile
 from . import _collectives as C
 from ._layout import DTensorSpec, local_shard_size_and_offset, normalize_placements, replicate_all
 from ._redistribute import execute_plan, plan_redistribution
@@ -190,7 +191,7 @@ class DTensor(torch.Tensor):
 
     # ---- conversions -----------------------------------------------------------------------
     @staticmethod
-    @torch.compiler.disable
+    @eager_under_compile
     def from_local(
         local_tensor: torch.Tensor,
         device_mesh: DeviceMesh | None = None,
@@ -238,7 +239,7 @@ class DTensor(torch.Tensor):
             return _FromLocal.apply(local_tensor, spec, grad_spec, grad_placements is not None)
         return DTensor(local_tensor, spec, requires_grad=False)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's piece; differentiable (the gradient comes back with ``grad_placements``,
         default this tensor's placements)."""
@@ -246,7 +247,7 @@ class DTensor(torch.Tensor):
             return self._wait_local()
         return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def redistribute(
         self,
         device_mesh: DeviceMesh | None = None,
@@ -279,7 +280,7 @@ class DTensor(torch.Tensor):
             return _Redistribute.apply(src, dst, async_op, backward_dtype)
         return _redistribute(src, dst, async_op)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
         return self.redistribute(self._spec.mesh, replicate_all(self._spec.mesh)).to_local(

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._graph_break import eager_under_compile
 from .llama import LlamaConfig
 
 __all__ = [
@@ -306,7 +307,7 @@ class MoE(nn.Module):
         self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
         self.dropped = torch.zeros((), device=device)
 
-    @torch.compiler.disable  # data-dependent shapes (each expert's rows); a compiled block runs it eagerly
+    @eager_under_compile  # data-dependent shapes (each expert's rows); a compiled block runs it eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, S, dim]`` -> ``[B, S, dim]``."""
         B, S, D = x.shape

@@ -52,6 +52,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .._graph_break import eager_under_compile
+
 __all__ = [
     "context_parallel",
     "context_parallel_unshard",
@@ -371,7 +373,7 @@ def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: flo
     return _ring_attention_eagerly(q, k, v, is_causal, scale)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def _ring_attention_eagerly(q, k, v, is_causal, scale):
     """Outside what torch.compile traces (its collectives and loops run as Python): a compiled
     block runs up to attention, this, then the rest."""
