@@ -11,6 +11,8 @@ import pytest
 
 from hpservice.launch import RankPool
 
+pytest_plugins = ["tests._cpu_cost"]  # each test's CPU seconds, machine-wide, summed at the end
+
 
 class _Pools:
     def __init__(self):
