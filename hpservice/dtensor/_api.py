@@ -118,7 +118,7 @@ class DTensor(torch.Tensor):
         an uneven shard ends) and the names of the process groups its collectives use, so the
         key holds this rank's coordinate and those names besides the layout: another rank, or
         a process whose groups are named otherwise, compiles its own graph."""
-        spec, local = self._spec, self._local_tensor
+        spec, local = self._spec, self._wait_local()
         mesh = spec.mesh
         key = (
             type(self).__qualname__,

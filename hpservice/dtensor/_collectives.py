@@ -145,10 +145,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.Proces
     src = padded if dim == 0 else padded.unflatten(dim, (k, chunk)).movedim(dim, 0)
     # The collective reads its input and writes ``out``: no copy of ``x`` is needed.
     buf, op, finish = _prepare_reduction(src.contiguous(), reduce_op, group, owned=True)
-    if dim == 0:
-        out = buf.new_empty((chunk,) + tuple(buf.shape[1:]))
-    else:  # (k, d0, ..., c, ...) -> (k * d0, ..., c, ...): the collective splits dim 0 in k
-        out = buf.new_empty(tuple(buf.shape[1:]))
+    if dim != 0:  # (k, d0, ..., c, ...) -> (k * d0, ..., c, ...): the collective splits dim 0 in k
         buf = buf.flatten(0, 1)
     size = max(0, min(chunk, full_size - index * chunk))
 
@@ -158,6 +155,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.Proces
 
     if tracing(buf):
         return done(finish_rs(funcol.reduce_scatter_tensor(buf, _FUNCOL_OPS[op], 0, group)))
+    out = buf.new_empty((buf.size(0) // k,) + tuple(buf.shape[1:]))
     work = _reduce_scatter_single(out, buf, op=op, group=group, async_op=True)
     return Pending(work, lambda: finish_rs(out))
 
