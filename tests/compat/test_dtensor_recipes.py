@@ -807,12 +807,24 @@ def _dtensor_fns():
 
 def _check_compile(cache_dir):
     """The same DTensor code eager and compiled, through torch's DTensor and ours: values,
-    placements and gradients, and a tensor-parallel MLP (colwise then rowwise) compiled whole."""
+    placements and gradients, and a tensor-parallel MLP (colwise then rowwise) compiled whole.
+    Inductor's caches in ``cache_dir`` (this rank process lives on for later tests)."""
     import os
 
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        return _compile_both()
+    finally:
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def _compile_both():
     import torch._dynamo
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     world = dist.get_world_size()
     full = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))  # 5 rows: uneven shards
     weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
