@@ -107,6 +107,9 @@ class DeepseekV3Config(MoEConfig):
     def attention_width(self) -> int:
         return self.n_heads * (self.qk_head_dim + self.v_head_dim) // 2
 
+    def active_experts(self) -> int:
+        return self.experts_per_token + self.n_shared_experts
+
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepseekV3Config] = {
     # CPU tests and examples: 8 experts in 4 groups, 2 per token from the best 2 groups, 1 shared.

@@ -145,8 +145,7 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
             scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
             if scaling.get("factor") is None:  # transformers: the ratio of the two contexts
                 scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
-            refuse_partial = scaling.get("partial_rotary_factor", 1.0) != 1.0
-            if refuse_partial:
+            if scaling.get("partial_rotary_factor", 1.0) != 1.0:
                 raise HFFormatError(f"{where}: partial_rotary_factor = {scaling['partial_rotary_factor']!r} is not supported")
     if found != "qwen2":  # Qwen2's q/k/v always have biases; the others' attention_bias adds o_proj's too
         refuse("attention_bias", (None, False), "biases on all four attention projections are not implemented")

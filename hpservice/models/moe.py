@@ -110,12 +110,16 @@ class MoEConfig(LlamaConfig):
     def is_sparse(self, layer_id: int) -> bool:
         return layer_id >= self.first_dense_layers
 
+    def active_experts(self) -> int:
+        """The experts of moe_hidden_dim each token runs through in a sparse layer (DeepSeek adds
+        its shared ones)."""
+        return self.experts_per_token
+
     def ffn_matmul_params(self, layer_id: int) -> int:
-        """A sparse layer's active ones: the router, the experts a token reaches and the shared ones."""
+        """A sparse layer's active ones: the router and the experts a token runs through."""
         if not self.is_sparse(layer_id):
             return super().ffn_matmul_params(layer_id)
-        active = self.experts_per_token + getattr(self, "n_shared_experts", 0)
-        return self.dim * self.num_experts + active * 3 * self.dim * self.moe_hidden_dim
+        return self.dim * self.num_experts + self.active_experts() * 3 * self.dim * self.moe_hidden_dim
 
 
 class TokenChoiceTopKRouter(nn.Module):
