@@ -5,7 +5,8 @@ pytest's own, since Ray heads, raylets, servers and rank pools run outside pytes
 At the end of a run, the 20 tests that used the most CPU, and how busy the machine was over the
 session: the suite's time can only fall below (CPU seconds used) / (cores) by spending fewer. Linux
 only (elsewhere this records nothing); meaningful when tests run one at a time, as scripts/test
-runs them.
+runs them. With ``HPSERVICE_TEST_COSTS=path``, every test's line is also written there (CPU
+seconds, wall seconds, node id; tab-separated), to see where a whole run goes.
 """
 
 from __future__ import annotations
@@ -56,3 +57,8 @@ def pytest_terminal_summary(terminalreporter):
     write(f"session: {busy:.0f} CPU s in {wall:.0f} s on {cores} cores ({busy / max(wall, 1e-9) / cores:.0%} busy)")
     for cpu, seconds, nodeid in sorted(_costs, reverse=True)[:20]:
         write(f"{cpu:7.1f} CPU s {seconds:7.1f} s  {nodeid}")
+    record = os.environ.get("HPSERVICE_TEST_COSTS")
+    if record:
+        lines = (f"{cpu:.2f}\t{seconds:.2f}\t{nodeid}\n" for cpu, seconds, nodeid in _costs)
+        Path(record).write_text("".join(lines))
+        write(f"every test's cost: {record}")
