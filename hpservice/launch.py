@@ -6,6 +6,12 @@ Two ways, same failure model:
 - ``RankPool(world_size)`` keeps the ranks alive and runs many calls on them (the test suite:
   starting 8 Python processes that import torch costs seconds of CPU, so it is paid once).
 
+Ranks are forked from a forkserver that has imported torch and the trainer once (where the
+platform has one; else spawned): importing torch costs each fresh Python process about 3 CPU
+seconds, which a benchmark or demo that starts several ranks, several times, would pay for each.
+A forked rank takes this process's environment and working directory as they are at the call,
+as a spawned one would (the forkserver's own are those of its start).
+
 A call returns the per-rank results in rank order. If any rank raises, the call raises
 ``RankFailure`` with that rank's traceback; if the call does not finish within ``timeout``
 seconds (e.g. a rank stuck in a collective), the ranks' Python stacks are dumped to stderr, the
@@ -32,6 +38,17 @@ from typing import Any
 __all__ = ["RankFailure", "RankPool", "free_port", "run_ranks"]
 
 _GRACE_S = 10.0  # after one rank fails, how long the others get to finish (or fail) too
+# imported once by the forkserver, before it forks ranks ("__main__": a script's own rank functions)
+_PRELOAD = ["__main__", "torch", "torch.distributed", "hpservice.train"]
+
+
+def _rank_context():
+    """The multiprocessing context ranks start in: forkserver (preloaded) where there is one."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's forkserver runs
+    return ctx
 
 
 class RankFailure(RuntimeError):
@@ -71,7 +88,13 @@ def socket_interface(ip: str) -> str | None:
     return None
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results, pg_timeout_s: float) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, tasks, results, pg_timeout_s: float, env: dict, cwd: str
+) -> None:
+    os.environ.clear()  # the caller's, not the forkserver's (see module doc)
+    os.environ.update(env)
+    with contextlib.suppress(OSError):
+        os.chdir(cwd)
     import torch
     import torch.distributed as dist
 
@@ -130,7 +153,7 @@ class RankPool:
         self.backend = backend
         self._pg_timeout_s = pg_timeout_s
         self._startup_timeout_s = startup_timeout_s
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _rank_context()
         self._procs: list = []
         self._calls = 0
 
@@ -141,7 +164,8 @@ class RankPool:
         self._procs = [
             self._ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.backend, self._tasks[r], self._results, self._pg_timeout_s),
+                args=(r, self.world_size, port, self.backend, self._tasks[r], self._results, self._pg_timeout_s)
+                + (dict(os.environ), os.getcwd()),  # the caller's, as a spawned rank would have them
                 daemon=True,
             )
             for r in range(self.world_size)
