@@ -87,8 +87,15 @@ def ensure_head(data_dir: Path, num_cpus: int | None = None, num_gpus: int | Non
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # its own process group: it outlives the server
-        # workers at the default priority, as with the embedded Ray (actors.init_local_ray says why)
-        env={"RAY_worker_niceness": "0", **os.environ, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]},
+        # workers at the default priority, as with the embedded Ray (actors.init_local_ray says why);
+        # no drain on SIGTERM: only `--stop-ray` sends it, to end the head and its jobs, and Ray's
+        # drain waits out its 30 s whenever a lease is still held
+        env={
+            "RAY_worker_niceness": "0",
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            **os.environ,
+            "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
+        },
     )
     log.close()
     host = _node_ip()
