@@ -108,6 +108,10 @@ def _worker(
     except BaseException:
         results.put((None, rank, False, traceback.format_exc()))
         return
+    # What is alive now (torch, the trainer, the process group) lives as long as the rank: kept
+    # out of the collector's generations, the collection after each call (below) walks only what
+    # calls made, ~0.1 ms instead of ~100 ms of CPU per rank per call.
+    gc.freeze()
     results.put((None, rank, True, "ready"))
     while True:
         task = tasks.get()
