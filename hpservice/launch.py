@@ -165,11 +165,11 @@ class RankPool:
         port = free_port()
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
+        env, cwd = dict(os.environ), os.getcwd()  # the caller's, as a spawned rank would have them
         self._procs = [
             self._ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.backend, self._tasks[r], self._results, self._pg_timeout_s)
-                + (dict(os.environ), os.getcwd()),  # the caller's, as a spawned rank would have them
+                args=(r, self.world_size, port, self.backend, self._tasks[r], self._results, self._pg_timeout_s, env, cwd),
                 daemon=True,
             )
             for r in range(self.world_size)
