@@ -169,7 +169,17 @@ class RankPool:
         self._procs = [
             self._ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.backend, self._tasks[r], self._results, self._pg_timeout_s, env, cwd),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self.backend,
+                    self._tasks[r],
+                    self._results,
+                    self._pg_timeout_s,
+                    env,
+                    cwd,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)
