@@ -211,6 +211,7 @@ function newCurrent(id) {
     sortedOk: true,
     lossCount: 0,
     checkpoints: new Map(),
+    exports: new Map(), // checkpoint step -> its export's path: the table re-renders on every poll
     logs: [],
     history: [],
     fetchSeq: 0,
@@ -337,12 +338,16 @@ function renderCheckpoints() {
         el("td", { class: "mono path", title: c.path || "" }, `\u200E${c.path || ""}`),
       );
       const action = el("td");
-      action.append(exportButton(c));
+      action.append(cur.exports.has(c.step) ? exportedPath(cur.exports.get(c.step)) : exportButton(c));
       tr.append(action);
       return tr;
     }),
   );
   $("ckpt-empty").hidden = ckpts.length > 0;
+}
+
+function exportedPath(path) {
+  return el("span", { class: "mono path", title: path, "data-testid": "exported" }, path);
 }
 
 function exportButton(c) {
@@ -354,7 +359,8 @@ function exportButton(c) {
     button.textContent = "Exporting…";
     try {
       const body = await apiSend("POST", `/v1/jobs/${encodeURIComponent(job.id)}/checkpoints/${c.step}/export`);
-      button.replaceWith(el("span", { class: "mono path", title: body.path, "data-testid": "exported" }, body.path));
+      job.exports.set(c.step, body.path);
+      button.replaceWith(exportedPath(body.path));
     } catch (e) {
       button.disabled = false;
       button.textContent = "Export";

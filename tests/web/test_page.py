@@ -351,6 +351,18 @@ def click_fresh(driver, selector: str) -> bool:
     return True
 
 
+def text_fresh(driver, selector: str) -> str | None:
+    """The text of the first element ``selector`` finds now; None (ask again) when there is none
+    or the page replaced it between the find and the read."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        found = css_all(driver, selector)
+        return found[0].text if found else None
+    except StaleElementReferenceException:
+        return None
+
+
 def css_all(driver, selector: str):
     from selenium.webdriver.common.by import By
 
@@ -430,8 +442,9 @@ def test_page_shows_a_live_job(browser, tmp_path):
         assert "/step-20" in listed and "/step-30" in listed and "/step-10" not in listed
         # a checkpoint exports as a Hugging Face directory from its row
         wait(browser, lambda d: click_fresh(d, '[data-testid="checkpoints"] tbody tr:last-child [data-testid="export"]'))
-        exported = wait(browser, lambda d: css_all(d, '[data-testid="exported"]'))[0]
-        assert exported.text == f"/data/jobs/alice/{JOB_ID}/exports/step-00000030-hf"
+        # read in the wait: the table re-renders on each poll, and keeps the export's path
+        exported = wait(browser, lambda d: text_fresh(d, '[data-testid="exported"]'))
+        assert exported == f"/data/jobs/alice/{JOB_ID}/exports/step-00000030-hf"
         assert fake.actions == [("export", "30")]
         fake.actions.clear()
         wait(browser, lambda d: RESTART_REASON in css(d, '[data-testid="restart-reasons"]').text)
