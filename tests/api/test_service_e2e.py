@@ -21,11 +21,18 @@ import pytest
 
 from hpservice.launch import free_port
 from hpservice.train._hold import HOLD_FILE_ENV
+from tests.api._serve import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 # Ray's token authentication (its default for `ray start`): the API process presents the same token.
 RAY_ENV = {k: v for k, v in os.environ.items() if k != "HPSERVICE_DATABASE_URL"} | {"RAY_AUTH_MODE": "token"}
-TOKENS = {"t-alice": {"owner": "alice"}, "t-bob": {"owner": "bob"}, "t-ops": {"owner": "ops", "admin": True}}
+TOKENS = {
+    "t-alice": {"owner": "alice"},
+    "t-bob": {"owner": "bob"},
+    "t-burst": {"owner": "burst"},  # at a quota of 0 workers: its jobs are stored and wait, never start
+    "t-ops": {"owner": "ops", "admin": True},
+}
+QUOTAS = {"burst": {"workers": 0}}
 
 
 def _spec(tmp, name, steps, workers=2):
@@ -66,6 +73,7 @@ class Server:
         self.database_url = database_url  # None: the default SQLite file in its data dir
         self.url = f"http://127.0.0.1:{self.port}"
         (tmp / "tokens.yaml").write_text(json.dumps(TOKENS))
+        (tmp / "quotas.yaml").write_text(json.dumps(QUOTAS))
         self.proc = None
 
     def start(self):
@@ -73,6 +81,7 @@ class Server:
         self.datasets.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "hpservice", "serve", "--port", str(self.port), "--data-dir", str(self.tmp / "data"),
                "--ray-address", self.ray_address, "--tokens-file", str(self.tmp / "tokens.yaml"),
+               "--quotas-file", str(self.tmp / "quotas.yaml"),
                "--data-root", str(self.datasets)]  # fmt: skip
         log = open(self.tmp / f"server-{time.time():.0f}.log", "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
@@ -96,13 +105,13 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, database_kind, request):
-    """One server for the module's tests on each database (conftest.py), with its own Ray head."""
-    tmp = tmp_path_factory.mktemp("service")
-    database_url = request.getfixturevalue("postgres").new_database() if database_kind == "postgresql" else None
+def ray_head(tmp_path_factory):
+    """The module's Ray head, shared by its servers on each database: ``(address, hold file)``.
+    The workers inherit the hold file's name from the head; no file, no hold
+    (test_api_restart_mid_job_loses_nothing)."""
+    tmp = tmp_path_factory.mktemp("ray-head")
     port = free_port()
     ray_log = open(tmp / "ray.log", "w")  # noqa: SIM115 - lives as long as the process
-    # the workers inherit the hold file's name from the head; no file, no hold (test_api_restart_mid_job_loses_nothing)
     head = subprocess.Popen(
         ["ray", "start", "--head", f"--port={port}", "--num-cpus=4",
          "--include-dashboard=false", "--disable-usage-stats", "--block"],
@@ -111,12 +120,25 @@ def service(tmp_path_factory, database_kind, request):
     )  # fmt: skip
     try:
         _wait_port(port)
-        server = Server(tmp, f"127.0.0.1:{port}", database_url)
-        server.start()
-        yield server
-        _stop(server.proc)
+        yield f"127.0.0.1:{port}", tmp / "hold"
     finally:
         _stop(head, grace_s=2)  # `ray start --block` can take half a minute on SIGTERM: the group is killed
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, ray_head, database_kind, request):
+    """One server for the module's tests on each database (conftest.py), on the module's Ray head."""
+    tmp = tmp_path_factory.mktemp("service")
+    database_url = request.getfixturevalue("postgres").new_database() if database_kind == "postgresql" else None
+    address, hold = ray_head
+    server = Server(tmp, address, database_url)
+    server.hold = hold
+    try:
+        server.start()
+        yield server
+    finally:
+        if server.proc is not None:
+            _stop(server.proc)
 
 
 def _client(server, token="t-alice"):
@@ -207,7 +229,7 @@ def test_submit_with_the_cli_and_follow_its_logs_while_it_runs(service, tmp_path
 
 @pytest.mark.databases("sqlite")  # on PostgreSQL: test_replicas.py kills a replica mid-job
 def test_api_restart_mid_job_loses_nothing(service, tmp_path):
-    hold = service.tmp / "hold"  # the job trains to step 20 and waits there until the server is back
+    hold = service.hold  # the job trains to step 20 and waits there until the server is back
     hold.write_text("20")
     try:
         with _client(service) as c:
@@ -257,11 +279,13 @@ def test_a_job_that_can_never_fit_is_refused_at_submit_with_the_fix(service, tmp
 
 
 def test_fifty_concurrent_submissions_are_all_stored(service, tmp_path):
+    """Fifty submissions at once, from an owner whose quota is 0 workers: every one is stored and
+    queued (none starts, so the test costs no worker processes), and every one can be cancelled."""
     results, errors = [], []
 
     def submit(i):
         try:
-            with _client(service) as c:
+            with _client(service, "t-burst") as c:
                 r = c.post(
                     "/v1/jobs", json=_spec(tmp_path, "burst", steps=2, workers=1), headers={"Idempotency-Key": f"b{i}"}
                 )
@@ -282,11 +306,19 @@ def test_fifty_concurrent_submissions_are_all_stored(service, tmp_path):
             j["id"]: j["state"] for j in ops.get("/v1/jobs", params={"name": "burst", "limit": 100}).json()["items"]
         }
         assert set(stored) == ids  # none lost
-        assert set(stored.values()) <= {"QUEUED", "STARTING", "RUNNING", "SUCCEEDED"}
+        assert set(stored.values()) == {"QUEUED"}
+        quota = "waiting: owner burst at quota 0/0 workers (this job needs 1)"
+        wait_for(
+            lambda: all(ops.get(f"/v1/jobs/{i}").json()["message"] == quota for i in ids),
+            120,
+            "every burst job waiting at its owner's quota",
+        )
         for job_id in ids:
-            ops.post(f"/v1/jobs/{job_id}/cancel")
+            r = ops.post(f"/v1/jobs/{job_id}/cancel")
+            assert r.status_code < 300, r.text
     for job_id in ids:
-        _wait(service, job_id, ("CANCELLED", "SUCCEEDED", "FAILED"), timeout=120, token="t-ops")
+        done = _wait(service, job_id, ("CANCELLED", "SUCCEEDED", "FAILED"), timeout=120, token="t-ops")
+        assert done["state"] == "CANCELLED", done
 
 
 @pytest.mark.databases("sqlite")  # refused before the store
