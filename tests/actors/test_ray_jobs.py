@@ -249,7 +249,7 @@ def test_failures_are_grouped_by_message_and_classified():
 def test_a_compiled_job_keeps_its_compile_cache_in_its_own_directory(cluster, tmp_path):
     """training.compile writes Inductor's kernels; a job's go under its run directory, not into the
     per-user temp folder every tenant's jobs on the node would share."""
-    spec = _spec(tmp_path, "compiled", training={"steps": 2, "compile": True})
+    spec = _spec(tmp_path, "compiled", training={"steps": 2, "compile": True}, resources={"workers": 1})
     handle = start_job(spec)
     status = handle.wait(timeout=400)
     assert status["state"] == "SUCCEEDED", status
