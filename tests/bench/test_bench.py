@@ -4,17 +4,12 @@ Only the shape of the output is checked: timings depend on the machine and never
 """
 
 import json
-import subprocess
-import sys
+
+from tests.bench._inprocess import bench
 
 
 def test_redistribute_bench_quick_runs_and_matches_torch():
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", "redistribute", "--quick", "--json", "--ranks", "2"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = bench("redistribute", "--quick", "--json", "--ranks", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert any("transition" in line and "ours/torch" in line for line in lines), proc.stdout

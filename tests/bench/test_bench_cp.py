@@ -3,17 +3,12 @@ sequence length and cp size, and activation memory per rank that falls with cp (
 keeps, counted exactly: not a timing). Timings are printed, never asserted."""
 
 import json
-import subprocess
-import sys
+
+from tests.bench._inprocess import bench
 
 
 def test_cp_bench_reports_memory_falling_with_cp():
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", "cp", "--seq-lens", "512", "--cps", "1", "2", "--steps", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = bench("cp", "--seq-lens", "512", "--cps", "1", "2", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[1].split() == ["seq", "cp", "step", "ms", "vs", "cp", "1", "held", "MiB/rank", "vs", "cp", "1"]

@@ -5,19 +5,14 @@ never go in tests.
 """
 
 import json
-import subprocess
-import sys
+
+from tests.bench._inprocess import bench
 
 RATIO_KEYS = ("step_time_ratio_vs_fsdp2", "step_time_ratio_vs_ddp", "memory_ratio_vs_fsdp2", "max_loss_diff_vs_single")
 
 
 def test_fsdp_bench_quick_runs_and_matches_single_process():
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", "fsdp", "--world-size", "2", "--model", "mlp", "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = bench("fsdp", "--world-size", "2", "--model", "mlp", "--quick", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert any("config" in line and "step ms" in line and "|loss - single|" in line for line in lines), proc.stdout

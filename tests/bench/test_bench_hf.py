@@ -2,15 +2,12 @@
 gives transformers' logits. Timings depend on the machine and never go in tests."""
 
 import json
-import subprocess
-import sys
+
+from tests.bench._inprocess import bench
 
 
 def test_hf_bench_small_runs_and_agrees_with_transformers():
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", "hf", "--size", "small", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = bench("hf", "--size", "small", "--json")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["max_abs_logit_diff"] < 1e-4 and result["world"] == 2

@@ -3,8 +3,6 @@ on 4 CPU ranks (dp_shard 4, and dp_replicate 2 x dp_shard 2), one training step.
 the plan gives for a rank must equal the measured one; its link times are arithmetic on top."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch.nn.functional as F
 
 from hpservice.bench.plan import Layout, Links, plan
 from hpservice.models.llama import LLAMA_FLAVORS
+from tests.bench._inprocess import bench
 
 LINKS = Links(nvlink_gbs=450, ib_gbs=50, storage_gbs=2)
 
@@ -90,12 +89,7 @@ def test_the_plan_gives_the_bytes_fully_shard_holds_and_sends(ranks, dp_replicat
 
 
 def test_bench_plan_prints_the_8b_layout_and_json():
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", "plan", "--model", "8B", "--gpus", "64", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = bench("plan", "--model", "8B", "--gpus", "64", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["layout"] == {

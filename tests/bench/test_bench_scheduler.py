@@ -2,19 +2,13 @@
 the same on every machine; what it reports is checked, and that priority pays off."""
 
 import json
-import subprocess
-import sys
 
 from hpservice.bench.scheduler import make_jobs, simulate
+from tests.bench._inprocess import bench
 
 
 def test_bench_scheduler_reports_delay_per_priority_and_utilisation():
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", "scheduler", "--jobs", "120", "--cpus", "16", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = bench("scheduler", "--jobs", "120", "--cpus", "16", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["bench"] == "scheduler" and set(report["ours"]["delay_s"]) == {"0", "5", "10"}

@@ -6,10 +6,10 @@ never go in tests.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from tests.bench._inprocess import bench
 
 RATIO_KEYS = (
     "ratio_ours_vs_torch",
@@ -20,12 +20,7 @@ RATIO_KEYS = (
 
 
 def _bench(*args: str) -> tuple[list[str], dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", "tp", "--world-size", "2", "--quick", "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = bench("tp", "--world-size", "2", "--quick", "--json", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     return lines, json.loads(lines[-1])
