@@ -211,7 +211,7 @@ function newCurrent(id) {
     sortedOk: true,
     lossCount: 0,
     checkpoints: new Map(),
-    exports: new Map(), // checkpoint step -> its export's path: the table re-renders on every poll
+    exports: new Map(), // "step|path" -> its export's path, as the table re-renders on each poll
     logs: [],
     history: [],
     fetchSeq: 0,
@@ -338,7 +338,8 @@ function renderCheckpoints() {
         el("td", { class: "mono path", title: c.path || "" }, `\u200E${c.path || ""}`),
       );
       const action = el("td");
-      action.append(cur.exports.has(c.step) ? exportedPath(cur.exports.get(c.step)) : exportButton(c));
+      const exported = cur.exports.get(`${c.step}|${c.path}`);
+      action.append(exported ? exportedPath(exported) : exportButton(c));
       tr.append(action);
       return tr;
     }),
@@ -359,7 +360,7 @@ function exportButton(c) {
     button.textContent = "Exporting…";
     try {
       const body = await apiSend("POST", `/v1/jobs/${encodeURIComponent(job.id)}/checkpoints/${c.step}/export`);
-      job.exports.set(c.step, body.path);
+      job.exports.set(`${c.step}|${c.path}`, body.path);
       button.replaceWith(exportedPath(body.path));
     } catch (e) {
       button.disabled = false;
