@@ -33,12 +33,16 @@ def test_two_serve_replicas_one_killed_mid_job(tmp_path, monkeypatch):
     hold = tmp_path / "hold"  # jobs train to step 5 and wait there until the test removes it
     hold.write_text("5")
     monkeypatch.setenv(HOLD_FILE_ENV, str(hold))  # inherited by the servers, their Ray head, the workers
-    ports = [free_port(), free_port()]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    # each port is picked just before its server starts: replica 1's Ray head binds free ports of
+    # its own meanwhile (its dashboard once took the port kept for replica 2, and answered for it)
+    ports = [free_port()]
+    urls = [f"http://127.0.0.1:{ports[0]}"]
     servers = []
     try:
         servers.append(start_server(tmp_path, data, ports[0], 1, "--num-cpus", "3", "--lease-ttl-s", "3"))
         wait_for(lambda: httpx.get(f"{urls[0]}/readyz", timeout=5).status_code == 200, 240, "replica 1")
+        ports.append(free_port())
+        urls.append(f"http://127.0.0.1:{ports[1]}")
         servers.append(start_server(tmp_path, data, ports[1], 2, "--lease-ttl-s", "3"))  # joins replica 1's Ray head
         wait_for(lambda: httpx.get(f"{urls[1]}/readyz", timeout=5).status_code == 200, 240, "replica 2")
         roles = wait_for(lambda: sorted(r := [_role(u) for u in urls]) == ["leader", "standby"] and r, 60, "a leader")

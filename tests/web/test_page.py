@@ -468,8 +468,9 @@ def test_page_shows_a_live_job(browser, tmp_path):
         assert fake.stream_queries == [{}], "one stream, no token in the URL without a token"
 
         # the profiler trace is listed and downloads through fetch (so a token would go in a header)
-        link = wait(browser, lambda d: css_all(d, '[data-testid="artifacts"] a'))[0]
-        assert link.text == ARTIFACT and "2.0 KiB" in css(browser, '[data-testid="artifacts"]').text
+        # read in the waits: the list re-renders as the job polls
+        assert wait(browser, lambda d: text_fresh(d, '[data-testid="artifacts"] a')) == ARTIFACT
+        assert "2.0 KiB" in wait(browser, lambda d: text_fresh(d, '[data-testid="artifacts"]'))
         wait(browser, lambda d: click_fresh(d, '[data-testid="artifacts"] a'))  # the list re-renders as the job polls
         wait(browser, lambda d: fake.downloads)
         assert fake.downloads == [(ARTIFACT, None)]
