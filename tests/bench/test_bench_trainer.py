@@ -10,13 +10,11 @@ from tests.bench._inprocess import bench
 
 
 def _bench(*args, timeout=600, own_process=True):
-    if not own_process:
+    if own_process:
+        cmd = [sys.executable, "-m", "hpservice.bench", *args, "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    else:
         proc = bench(*args, "--json")
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpservice.bench", *args, "--json"], capture_output=True, text=True, timeout=timeout
-    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
 
