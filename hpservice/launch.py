@@ -140,6 +140,9 @@ def _destroy_groups_since(before: set) -> None:
     rank returns from the call after its last collective, so no peer still uses them."""
     import torch.distributed as dist
 
+    from hpservice.dtensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # its decisions hold the call's meshes, and so their groups
     for group in _process_groups() - before:
         if group is not dist.GroupMember.WORLD:
             with contextlib.suppress(Exception):  # one the call already destroyed or broke: nothing to free

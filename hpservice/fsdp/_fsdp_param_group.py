@@ -33,6 +33,8 @@ the sizes CPU jobs train.
 from __future__ import annotations
 
 import enum
+import functools
+import weakref
 
 import torch
 from torch.profiler import record_function
@@ -166,7 +168,10 @@ class FSDPParamGroup:
             if live:
                 n += 1
                 if not p.grad_hooked:
-                    u.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                    # Through a weak reference: the hook lives in the tensor's C++ autograd
+                    # metadata, which the garbage collector cannot see, so a strong one would make
+                    # param -> hook -> group -> param a cycle never freed (nor the mesh's groups).
+                    u.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
                     p.grad_hooked = True
         self._n_grad_params = n
 
@@ -371,3 +376,8 @@ class FSDPParamGroup:
         self._post_backward_done = False
         return needs_sync
 
+
+def _grad_accumulated(group_ref: weakref.ref, param: torch.Tensor) -> None:
+    group = group_ref()
+    if group is not None:
+        group._on_grad_accumulated(param)
