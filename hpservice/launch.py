@@ -143,11 +143,33 @@ def _destroy_groups_since(before: set) -> None:
     from hpservice.dtensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()  # its decisions hold the call's meshes, and so their groups
+    _clear_torch_dtensor_caches()  # the same, for calls that ran torch's DTensor (the compat checks)
     for group in _process_groups() - before:
         if group is not dist.GroupMember.WORLD:
             with contextlib.suppress(Exception):  # one the call already destroyed or broke: nothing to free
                 dist.destroy_process_group(group)
     gc.collect()  # the groups' threads end when the last reference (a mesh in a reference cycle) goes
+
+
+
+def _clear_torch_dtensor_caches() -> None:
+    """torch's DTensor caches sharding decisions, redistribution plans and mesh topologies keyed
+    by specs, and so holds the meshes (and groups) of every call that used it. Private torch
+    functions: each is cleared where this torch has it."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
+    with contextlib.suppress(AttributeError, RuntimeError):
+        debug._clear_sharding_prop_cache()
+    with contextlib.suppress(AttributeError):
+        _redistribute.clear_redistribute_planner_cache()
+    for cached in (
+        getattr(_redistribute, "_gen_transform_infos", None),
+        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
+    ):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 class RankPool:

@@ -36,24 +36,36 @@ def test_results_come_back_in_rank_order(ranks):
 
 
 def _live_meshes_and_gloo_threads():
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
     from hpservice.dtensor import DeviceMesh
 
     gc.collect()
-    meshes = sum(isinstance(o, DeviceMesh) for o in gc.get_objects())
+    meshes = sum(isinstance(o, (DeviceMesh, TorchMesh)) for o in gc.get_objects())
     threads = sum(p.read_text().strip() == "gloo_tcp_loop" for p in Path("/proc/self/task").glob("*/comm"))
     return meshes, threads
 
 
+def _torch_dtensor_redistributed():
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0), Shard(1)])
+    return (x.redistribute(mesh, [Replicate(), Shard(0)]) * 2).full_tensor().sum().item()
+
+
 def test_a_calls_meshes_and_process_groups_are_freed_when_it_returns(ranks, tmp_path):
-    """Ranks live on from call to call: what a trainer built (its meshes, fully_shard's gradient
-    hooks, cached sharding decisions) must not keep its process groups, each with gloo's polling
-    threads, alive after the call. They piled up to ~100 threads per rank over a test session,
-    most of a core kept busy in the background."""
+    """Ranks live on from call to call: what a call built (a trainer's meshes, fully_shard's
+    gradient hooks, our and torch's cached sharding decisions) must not keep its process groups,
+    each with gloo's polling threads, alive after the call. They piled up to ~100 threads per
+    rank over a test session, most of a core kept busy in the background."""
     before = ranks(4).run(_live_meshes_and_gloo_threads)
     assert all(meshes == 0 for meshes, _ in before), before
     for name, parallelism in {"hsdp": {"dp_replicate": 2}, "fsdp-tp": {"tp": 2}}.items():
         ranks(4).run(train, tiny_llama_job(tmp_path / name, training={"steps": 2}, parallelism=parallelism))
         assert ranks(4).run(_live_meshes_and_gloo_threads) == before, name
+    assert ranks(4).run(_torch_dtensor_redistributed) == [240.0] * 4
+    assert ranks(4).run(_live_meshes_and_gloo_threads) == before, "torch's DTensor"
 
 
 def test_failing_rank_fails_with_its_traceback():
