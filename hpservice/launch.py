@@ -151,7 +151,6 @@ def _destroy_groups_since(before: set) -> None:
     gc.collect()  # the groups' threads end when the last reference (a mesh in a reference cycle) goes
 
 
-
 def _clear_torch_dtensor_caches() -> None:
     """torch's DTensor caches sharding decisions, redistribution plans and mesh topologies keyed
     by specs, and so holds the meshes (and groups) of every call that used it. Private torch
