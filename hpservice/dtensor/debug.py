@@ -13,7 +13,3 @@ def _clear_sharding_prop_cache() -> None:
     """
     decide.cache_clear()
 
-
-def _get_sharding_prop_cache_info():
-    """The sharding-decision cache's ``functools`` statistics (hits, misses, size)."""
-    return decide.cache_info()
