@@ -35,7 +35,9 @@ TOKENS = {
 QUOTAS = {"burst": {"workers": 0}}
 
 
-def _spec(tmp, name, steps, workers=2):
+def _spec(tmp, name, steps, workers=1):
+    """A tiny job on one CPU worker (each costs seconds to start): these tests are about the service;
+    a 2-worker job under it is the CLI's (examples/tiny-cpu.yaml)."""
     return {
         "name": name,
         "model": {"name": "llama", "flavor": "tiny"},
