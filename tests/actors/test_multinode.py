@@ -3,10 +3,12 @@ each a node with its own resources. Placement keeps shard groups inside a node; 
 runs on the head; a lost node is replaced without spending a restart, or the job fails naming it;
 a job whose coordinator's node is lost is requeued by the supervisor and resumes.
 
-Each test starts its own cluster and stops it (Cluster.shutdown ends the processes it started);
-nodes are killed with Cluster.remove_node, which kills the processes of that node it started.
-Health checks are faster than Ray's defaults, so a killed node is marked dead in seconds rather than ~30,
-with enough slack that a raylet slowed by a loaded machine is not.
+The module's tests share one head (Cluster; its shutdown ends the processes it started). Each test
+adds the nodes it needs and, at its end, what it left is cleared: its actors and placement groups,
+then its nodes, removed (and marked dead) before the next test adds its own. Nodes are killed
+mid-test with Cluster.remove_node, which kills the processes of that node it started. Health
+checks are faster than Ray's defaults, so a killed node is marked dead in seconds rather than
+~30, with enough slack that a raylet slowed by a loaded machine is not.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import contextlib
 import time
 from pathlib import Path
 
+import pytest
 import ray
+from ray._raylet import PlacementGroupID
 from ray.cluster_utils import Cluster
+from ray.util.placement_group import PlacementGroup
 
 from hpservice.actors import COORDINATOR_RESOURCE_ENV, JobHandle, start_job
 from hpservice.actors.placement import infeasible, plan_placement
@@ -33,23 +38,44 @@ FAST_HEALTH_CHECKS = {  # a killed node is marked dead in ~5-10 s; a raylet slow
 }
 
 
-@contextlib.contextmanager
-def simulated_cluster(*nodes: dict):
-    """A 0-CPU head (the Kubernetes layout: nothing trains there) and one raylet per ``nodes``
-    entry (``{"num_cpus": 2, "resources": {...}}``); this process connected to it."""
+@pytest.fixture(scope="module")
+def head():
+    """A 0-CPU head (the Kubernetes layout: nothing trains there), this process connected to it,
+    shared by the module's tests (``simulated_cluster``)."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS},
     )
     try:
-        for node in nodes:
-            cluster.add_node(**node)
-        cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="hpservice", log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def simulated_cluster(head, *nodes: dict):
+    """``head``'s cluster with one raylet per ``nodes`` entry (``{"num_cpus": 2, "resources":
+    {...}}``). A raylet and its workers inherit this process's environment when it is added (the
+    hold file, ``_hold``). At the end every actor and placement group left is removed (a detached
+    coordinator on the head, a group rescheduling after its node died), then every worker node."""
+    try:
+        for node in nodes:
+            head.add_node(**node)
+        head.wait_for_nodes()
+        yield head
+    finally:
+        for actor in ray._private.state.actors().values():
+            if actor["State"] == "ALIVE" and actor["Name"]:
+                with contextlib.suppress(ValueError):  # gone meanwhile
+                    ray.kill(ray.get_actor(actor["Name"], namespace=actor["RayNamespace"]))
+        for group_id, group in ray.util.placement_group_table().items():
+            if group["state"] != "REMOVED":
+                ray.util.remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
+        for node in list(head.worker_nodes):
+            head.remove_node(node)
+        head.wait_for_nodes()
 
 
 def _wait(predicate, what: str, timeout: float = 180, poll_s: float = 0.2):
@@ -106,23 +132,23 @@ def test_placement_plans_and_reasons_without_a_cluster(tmp_path):
     )
 
 
-def test_uneven_nodes_keep_each_shard_group_in_one_node_and_the_coordinator_on_the_head(tmp_path):
+def test_uneven_nodes_keep_each_shard_group_in_one_node_and_the_coordinator_on_the_head(head, tmp_path):
     """3 + 2 CPUs: Ray's PACK of four 1-CPU bundles puts ranks 0-2 on the 3-CPU node and splits
     the second shard group; one bundle per group cannot split."""
     spec = _spec(tmp_path, "hsdp", resources={"workers": 4}, parallelism={"dp_replicate": 2})
-    with simulated_cluster({"num_cpus": 3}, {"num_cpus": 2}):
+    with simulated_cluster(head, {"num_cpus": 3}, {"num_cpus": 2}):
         handle = start_job(spec)
         status = handle.wait(timeout=300)
         assert status["state"] == "SUCCEEDED", status
         node = {p["rank"]: p["node_id"] for p in status["placement"]}
         assert node[0] == node[1] and node[2] == node[3] and node[0] != node[2], status["placement"]
         assert "4 workers on 2 node(s)" in " ".join(h["message"] for h in status["history"])
-        head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
-        assert status["coordinator_node"] == head
+        head_id = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
+        assert status["coordinator_node"] == head_id
         handle.shutdown()
 
 
-def test_a_lost_node_fails_the_job_naming_it_when_no_capacity_comes_back(tmp_path):
+def test_a_lost_node_fails_the_job_naming_it_when_no_capacity_comes_back(head, tmp_path):
     spec = _spec(
         tmp_path,
         "lost",
@@ -130,7 +156,7 @@ def test_a_lost_node_fails_the_job_naming_it_when_no_capacity_comes_back(tmp_pat
         checkpoint={"interval": 5},
         failure={"max_restarts": 3, "capacity_wait_s": 5},
     )
-    with simulated_cluster({"num_cpus": 2}) as cluster:
+    with simulated_cluster(head, {"num_cpus": 2}) as cluster:
         handle = start_job(spec)
         status = _wait(lambda: (s := handle.status())["step"] >= 6 and s, "at step 6")
         node_id = status["placement"][0]["node_id"]
@@ -145,7 +171,7 @@ def test_a_lost_node_fails_the_job_naming_it_when_no_capacity_comes_back(tmp_pat
 
 
 def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_the_shared_volume(
-    ranks, tmp_path, monkeypatch
+    head, ranks, tmp_path, monkeypatch
 ):
     """The compose/KubeRay layout on this machine: the API's own directory (``api-data``, its
     store) apart from the shared volume (``shared``, standing in for the claim every pod mounts
@@ -177,7 +203,7 @@ def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_
     home = shared / "jobs" / "alice" / job_id
     assert spec.checkpoint.dir.startswith(str(home.resolve())), spec.checkpoint.dir
     store = Store(settings.db_url)
-    with simulated_cluster({"num_cpus": 2}) as cluster:
+    with simulated_cluster(head, {"num_cpus": 2}) as cluster:
         supervisor = Supervisor(store, poll_interval_s=0.2)
         store.create_job(job_id, spec.name, "alice", spec.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
@@ -205,7 +231,7 @@ def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_
     assert losses == expected
 
 
-def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_nothing(ranks, tmp_path, monkeypatch):
+def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_nothing(head, ranks, tmp_path, monkeypatch):
     """Coordinators run on the nodes with resource ``coord`` (1-CPU nodes, too small for the job's
     2-worker shard group, which runs on a node of its own). The node with the job's coordinator
     dies, mid-job, twice; each time the server requeues the job from its latest checkpoint and a
@@ -220,7 +246,7 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
     hold = _hold(tmp_path, monkeypatch, 12)  # the first kill at step 12, the second at 22
     job = _spec(tmp_path, "requeued", training={"steps": steps}, checkpoint={"interval": 5, "keep": 2})
     coordinator_node = {"num_cpus": 1, "resources": {"coord": 1}}
-    with simulated_cluster(coordinator_node, coordinator_node, {"num_cpus": 2}) as cluster:
+    with simulated_cluster(head, coordinator_node, coordinator_node, {"num_cpus": 2}) as cluster:
         store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
         supervisor = Supervisor(store, poll_interval_s=0.2)
         job_id = "requeued-0001"
@@ -274,7 +300,7 @@ def _requeues(job: dict) -> int:
     return requeued if history[-1][0] == "RUNNING" else -1
 
 
-def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_losses(ranks, tmp_path, monkeypatch):
+def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_losses(head, ranks, tmp_path, monkeypatch):
     """4 workers (dp_replicate 2 x dp_shard 2, one shard group per 1-CPU node), min_workers 2. A
     node dies (the job held at step 12) and none comes back within capacity_wait_s: the job goes
     on with 2 workers from its latest checkpoint (gradient accumulation 2 keeps the global batch).
@@ -295,7 +321,7 @@ def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_lo
         checkpoint={"interval": 5, "keep": 2},
         failure={"max_restarts": 0, "capacity_wait_s": 3},
     )
-    with simulated_cluster({"num_cpus": 1}, {"num_cpus": 1}) as cluster:
+    with simulated_cluster(head, {"num_cpus": 1}, {"num_cpus": 1}) as cluster:
         handle = start_job(spec)
         status = _wait(lambda: (s := handle.status())["step"] >= 12 and s["checkpoints"] and s, "held at step 12")
         lost = next(p["node_id"] for p in status["placement"] if p["rank"] == 2)
@@ -329,7 +355,7 @@ def test_elastic_job_shrinks_when_a_node_is_lost_and_grows_back_with_the_same_lo
 
 
 def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undisturbed_runs_losses(
-    ranks, tmp_path, monkeypatch
+    head, ranks, tmp_path, monkeypatch
 ):
     """One 2-CPU node, SQLite (on both databases with stand-in coordinators: test_supervisor.py). alice's priority-0 job runs; bob submits a priority-10 job that needs the
     whole node: alice's is asked to checkpoint and stop, goes back to the queue PREEMPTED, bob's
@@ -342,7 +368,7 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
     hold = _hold(tmp_path, monkeypatch, 8)  # alice's job is at step 8 when bob's arrives
     low = _spec(tmp_path / "low", "low", training={"steps": steps}, checkpoint={"interval": 10, "keep": 2})
     high = _spec(tmp_path / "high", "high", training={"steps": 10}, scheduling={"priority": 10})
-    with simulated_cluster({"num_cpus": 2}):
+    with simulated_cluster(head, {"num_cpus": 2}):
         store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
         supervisor = Supervisor(store, poll_interval_s=0.2)
         store.create_job("low-0001", "low", "alice", low.model_dump(mode="json", by_alias=True), steps, None)
@@ -384,7 +410,7 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
     assert [by_step[s] for s in range(1, steps + 1)] == expected
 
 
-def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(tmp_path, postgres):
+def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(head, tmp_path, postgres):
     """Real jobs on one 2-CPU node, the store on PostgreSQL (on both databases with stand-in
     coordinators: test_supervisor.py); alice may use 2 workers at once.
     Long jobs run until the test cancels them, so each decision happens at a moment the test
@@ -410,7 +436,7 @@ def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(tmp_path, postgr
         return next(h["time"] for h in store.get_job(name)["history"] if h["state"] == "STARTING")
 
     long = {"steps": 1_000_000}
-    with simulated_cluster({"num_cpus": 2}):
+    with simulated_cluster(head, {"num_cpus": 2}):
         store = Store(postgres.new_database())
         supervisor = Supervisor(store, poll_interval_s=0.2, quotas=Quotas({"alice": Quota(workers=2)}))
         supervisor.start()
