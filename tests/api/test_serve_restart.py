@@ -18,7 +18,7 @@ SPEC = {
     "data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8},
     "training": {"steps": 20},
     "optimizer": {"lr": 3.0e-3},
-    "resources": {"workers": 2, "use_gpu": False},
+    "resources": {"workers": 1, "use_gpu": False},  # one: a worker costs seconds to start; the server is the point
 }
 
 
