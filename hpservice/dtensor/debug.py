@@ -12,4 +12,3 @@ def _clear_sharding_prop_cache() -> None:
     polling threads (NCCL: its communicators) for as long as its decisions stay cached.
     """
     decide.cache_clear()
-
