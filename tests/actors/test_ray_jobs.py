@@ -8,17 +8,17 @@ import time
 import pytest
 import ray
 import torch.nn as nn
-from ray.util.state import list_actors, list_placement_groups
 
 from hpservice.actors import NAMESPACE, JobHandle, init_local_ray, start_job, worker_name
-from hpservice.launch import free_port
 from hpservice.train import Trainer
 from tests._jobs import ray_job as _spec
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    init_local_ray(num_cpus=4, dashboard_port=free_port())
+    # No dashboard: nothing here reads it (the leftovers come from the GCS's own tables), and its
+    # dozen processes would cost the module ~10 CPU s.
+    init_local_ray(num_cpus=4, dashboard=False)
     yield
     ray.shutdown()
 
@@ -28,12 +28,13 @@ def _torchrun_equivalent(spec):
 
 
 def _leftovers(job_id):
-    # The state API must be told which cluster: its default is whatever `ray start` last recorded.
-    address = ray.get_runtime_context().gcs_address
-    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")])
-    actors = [a.name for a in alive if a.name and a.name.startswith(f"hp:{job_id}:")]
+    """The job's named actors still alive and its placement group unless removed, from Ray's GCS
+    (the state API, ``ray.util.state``, would need the dashboard)."""
+    actors = [name for name in ray.util.list_named_actors() if name.startswith(f"hp:{job_id}:")]
     groups = [
-        g.name for g in list_placement_groups(address=address) if g.name == f"hp:{job_id}" and g.state != "REMOVED"
+        g["name"]
+        for g in ray.util.placement_group_table().values()
+        if g["name"] == f"hp:{job_id}" and g["state"] != "REMOVED"
     ]
     return actors, groups
 
