@@ -38,7 +38,6 @@ from hpservice.dtensor import DeviceMesh, DTensor, Replicate, Shard, distribute_
 from hpservice.dtensor import random as dtensor_random
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hpservice.inputs import confine, open_input
-from hpservice.launch import free_port
 from hpservice.models import (
     HF_FAMILIES,
     build_model,
@@ -80,14 +79,19 @@ MetricsCallback = Callable[[dict], None]
 
 # ---- parallelism: small functions, as torchtitan applies them ---------------------------------
 def init_distributed(device_type: str) -> bool:
-    """Join torch.distributed from env:// (torchrun, Ray workers), or make a world of one.
-    Returns True if this call created the process group (the caller destroys it)."""
+    """Join torch.distributed from env:// (torchrun, Ray workers), or make a world of one on an
+    in-process store: it has no one to meet, and it leaves no ``MASTER_PORT``/``RANK`` in this
+    process's environment, where a later run in the same process (a notebook, a test) would take
+    them for a rendezvous on a port that may no longer be free. Returns True if this call created
+    the process group (the caller destroys it)."""
     if dist.is_initialized():
         return False
     backend = dist.Backend.default_device_backend_map.get(device_type, "gloo")
+    timeout = timedelta(minutes=10)
     if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return True
 
 

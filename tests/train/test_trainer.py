@@ -1,6 +1,7 @@
 """The trainer on gloo ranks: equals a single process, resumes exactly, runs under torchrun."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from hpservice.train import Trainer, TrainingError
@@ -50,6 +52,18 @@ def test_resume_mid_run_continues_identically(ranks, tmp_path):
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]  # bitwise
     assert [r["lr"] for r in resumed] == [r["lr"] for r in full[3:]]
+
+
+def test_a_world_of_one_leaves_no_rendezvous_behind_in_the_environment(tmp_path, monkeypatch):
+    """Outside torchrun and Ray a Trainer makes a world of one. Its rendezvous variables must not
+    outlive it: a second run in the same process would read them and meet on a stale port."""
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    for name in rendezvous:
+        monkeypatch.delenv(name, raising=False)
+    for steps in (1, 2):  # the second run makes its own world of one again
+        records = Trainer(_spec(tmp_path / str(steps), training={"steps": steps}), log_to_stdout=False).train()
+        assert [r["step"] for r in records] == list(range(1, steps + 1)) and not dist.is_initialized()
+        assert [name for name in rendezvous if name in os.environ] == []
 
 
 def test_resuming_from_latest_reports_the_checkpoint_it_resumed_from(tmp_path):
