@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._graph_break import eager_under_compile
 from ..dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 __all__ = [
@@ -104,7 +105,11 @@ def _grad_to_layout(param) -> None:
     setattr(param, _HOOKED, True)
 
 
+@eager_under_compile
 def _grad_hooks_pre_forward(module: nn.Module, _inputs) -> None:
+    # Eager under torch.compile: a hook registered while dynamo traces a compiled block never
+    # reached the gradient (sequence parallelism's norm weights kept Partial gradients, which
+    # clip_grad_norm_ then refused at step 1).
     for param in module.parameters():
         _grad_to_layout(param)
 

@@ -325,9 +325,10 @@ def _losses(spec):
         (2, {}, {}),
         (4, {"dp_replicate": 2}, {"activation_checkpointing": "selective"}),
         (2, {"tp": 2}, {}),
+        (2, {"tp": 2, "sequence_parallel": True}, {}),  # no fully_shard: the TP grad hooks alone
         (4, {"tp": 2, "sequence_parallel": True}, {"activation_checkpointing": "full"}),
     ],
-    ids=["fsdp2", "hsdp-op-level-ac", "tp2", "fsdp2-tp2-sp-ac"],
+    ids=["fsdp2", "hsdp-op-level-ac", "tp2", "tp2-sp", "fsdp2-tp2-sp-ac"],
 )
 def test_compiled_blocks_train_as_eager(ranks, tmp_path, world, parallelism, training):
     """training.compile: each block and the loss compiled (inductor on CPU); the loss of every step
