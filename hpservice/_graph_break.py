@@ -20,7 +20,7 @@ def eager_under_compile(fn):
         nonlocal disabled
         # is_compiling() first: dynamo folds it to True while it traces a caller, so it never
         # reads sys.modules here (it used to wrap all ~3000 entries of it, on every compiled
-        # frame that calls one of these: a quarter of a tensor-parallel block's compile time).
+        # frame that calls one of these: a sixth of the CPU of compiling a tensor-parallel block).
         if not torch.compiler.is_compiling() and "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
         if disabled is None:
