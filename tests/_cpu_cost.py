@@ -1,12 +1,16 @@
-"""What each test costs the machine: CPU seconds of every process (from /proc/stat), not only
-pytest's own, since Ray heads, raylets, servers and rank pools run outside pytest's process tree
-(``--durations`` counts wall time only, and ``time pytest`` misses the daemons).
+"""What each test costs the machine: CPU seconds of the test process and of every process it
+started, not only pytest's own, since Ray heads, raylets, servers and rank pools run in processes
+of their own (``--durations`` counts wall time only, and ``time pytest`` misses the daemons).
 
-At the end of a run, the 20 tests that used the most CPU, and how busy the machine was over the
-session: the suite's time can only fall below (CPU seconds used) / (cores) by spending fewer. Linux
-only (elsewhere this records nothing); meaningful when tests run one at a time, as scripts/test
-runs them. With ``HPSERVICE_TEST_COSTS=path``, every test's line is also written there (CPU
-seconds, wall seconds, node id; tab-separated), to see where a whole run goes.
+A test's CPU is that of the pytest process's tree (``/proc``): each live descendant's CPU, plus
+what the ones that ended and were waited for left in their parents' counts. With several
+pytest-xdist workers each worker counts its own tree, so a test is not charged for what the other
+worker ran meanwhile; the workers hand their lines to the controller, which prints them.
+
+At the end, the 20 tests that used the most CPU, and how busy the machine was over the session:
+the suite's time can only fall below (CPU seconds used) / (cores) by spending fewer. Linux only
+(elsewhere this records nothing). With ``HPSERVICE_TEST_COSTS=path``, every test's line is also
+written there (CPU seconds, wall seconds, node id; tab-separated), to see where a whole run goes.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from pathlib import Path
 import pytest
 
 _STAT = Path("/proc/stat")
+_PROC = Path("/proc")
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _costs: list[tuple[float, float, str]] = []
 _session: list[float] = []
+_WORKER_OUTPUT_KEY = "hpservice_test_costs"
 
 
 def _busy_seconds() -> float | None:
@@ -29,7 +36,38 @@ def _busy_seconds() -> float | None:
     except (OSError, ValueError):
         return None
     idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - idle) / _TICK
+
+
+def _tree_seconds(root: int) -> float | None:
+    """CPU seconds of ``root`` and its live descendants, each with what its waited-for children
+    used (utime + stime + cutime + cstime). A descendant that ended without being waited for by
+    one of them (an orphan) is missed, and one that ends between two readings moves its seconds
+    from its own line to its parent's: the totals stay right."""
+    stats: dict[int, tuple[int, float]] = {}
+    try:
+        entries = [p for p in os.listdir(_PROC) if p.isdigit()]
+    except OSError:
+        return None
+    for pid in entries:
+        try:
+            text = (_PROC / pid / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+        ppid = int(fields[1])
+        stats[int(pid)] = (ppid, sum(int(v) for v in fields[11:15]) / _TICK)
+    if root not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats[pid][1]
+        todo.extend(children.get(pid, ()))
+    return total
 
 
 def pytest_sessionstart(session):
@@ -40,21 +78,37 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    before, start = _busy_seconds(), time.monotonic()
+    before, start = _tree_seconds(os.getpid()), time.monotonic()
     yield
-    after = _busy_seconds()
+    after = _tree_seconds(os.getpid())
     if before is not None and after is not None:
-        _costs.append((after - before, time.monotonic() - start, item.nodeid))
+        _costs.append((max(after - before, 0.0), time.monotonic() - start, item.nodeid))
+
+
+def pytest_sessionfinish(session):
+    output = getattr(session.config, "workeroutput", None)  # set on a pytest-xdist worker
+    if output is not None:
+        output[_WORKER_OUTPUT_KEY] = [list(cost) for cost in _costs]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """On the xdist controller: a worker's lines, when it ends."""
+    _costs.extend(tuple(cost) for cost in getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT_KEY, ()))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _costs or not _session:
+    if not _session or hasattr(terminalreporter.config, "workeroutput"):
         return
     busy, wall = _busy_seconds() - _session[0], time.monotonic() - _session[1]
     cores = os.cpu_count() or 1
     write = terminalreporter.write_line
-    terminalreporter.section("CPU cost (every process on the machine, tests/_cpu_cost.py)")
-    write(f"session: {busy:.0f} CPU s in {wall:.0f} s on {cores} cores ({busy / max(wall, 1e-9) / cores:.0%} busy)")
+    terminalreporter.section("CPU cost (each test's process tree, tests/_cpu_cost.py)")
+    share = busy / max(wall, 1e-9) / cores
+    write(f"session, machine-wide: {busy:.0f} CPU s in {wall:.0f} s on {cores} cores ({share:.0%} busy)")
+    if not _costs:
+        return
+    write(f"the tests' own: {sum(c for c, _, _ in _costs):.0f} CPU s")
     for cpu, seconds, nodeid in sorted(_costs, reverse=True)[:20]:
         write(f"{cpu:7.1f} CPU s {seconds:7.1f} s  {nodeid}")
     record = os.environ.get("HPSERVICE_TEST_COSTS")

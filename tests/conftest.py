@@ -36,8 +36,37 @@ def ranks():
     pools.close()
 
 
+# The files that take longest, longest first (from HPSERVICE_TEST_COSTS, on 2 cores). They run
+# before the others so that scripts/test's two workers, which take whole files in collection order
+# (xdist's --dist loadfile --no-loadscope-reorder), end together; xdist's own reorder (most tests
+# first) left 40-second one-test files for the end, with one worker idle. Only speed depends on it.
+LONGEST_FIRST = (
+    "tests/actors/test_multinode.py",
+    "tests/train/test_trainer.py",
+    "tests/actors/test_ray_jobs.py",
+    "tests/api/test_service_e2e.py",
+    "tests/api/test_schemathesis.py",
+    "tests/parallel/test_pipeline_training.py",
+    "tests/models/test_moe.py",
+    "tests/bench/test_bench_service.py",
+    "tests/bench/test_bench_trainer.py",
+    "tests/test_cli_run.py",
+    "tests/test_finetune_example.py",
+    "tests/api/test_serve_restart.py",
+    "tests/parallel/test_context_parallel.py",
+    "tests/api/test_replicas.py",
+    "tests/actors/test_supervisor.py",
+    "tests/compat/test_dtensor_recipes.py",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (module-scoped parameters) within files
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.cuda`` tests skip, saying why, on a machine without a CUDA GPU."""
+    """The files of ``LONGEST_FIRST`` first, in its order, then the rest as collected; each file's
+    tests keep their order. ``@pytest.mark.cuda`` tests skip, saying why, on a machine without a
+    CUDA GPU."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
     import torch
 
     if torch.cuda.is_available():
