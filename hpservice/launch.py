@@ -125,7 +125,30 @@ def _worker(
             results.put((call_id, rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((call_id, rank, False, traceback.format_exc()))
+        _wait_for_every_rank(call_id, world_size)
         _destroy_groups_since(groups)
+
+
+_END_OF_CALL_WAIT_S = 60.0
+
+
+def _wait_for_every_rank(call_id: int, world_size: int) -> None:
+    """Return once every rank has ended call ``call_id`` (or after ``_END_OF_CALL_WAIT_S``).
+
+    A rank returns from ``new_group`` when its own side of each connection is up; a peer still
+    finishing its side (slow on a loaded machine) then reads "Connection closed by peer" if the
+    first rank destroys the group meanwhile, which a call that makes groups and never uses them
+    does at once. Through the store rather than a collective: a call that failed on some ranks may
+    have left the world group's collectives out of step. A rank that never comes (hung, dead)
+    fails the call by the caller's timeout; the others go on after the wait."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hpservice/rank-pool/call-{call_id}"
+    with contextlib.suppress(Exception):  # a timeout, or the store gone with rank 0: destroy anyway
+        if store.add(key, 1) == world_size:
+            store.set(f"{key}/all", "1")
+        store.wait([f"{key}/all"], timedelta(seconds=_END_OF_CALL_WAIT_S))
 
 
 def _process_groups() -> set:

@@ -1,4 +1,5 @@
-"""Shared fixtures: persistent gloo rank pools (one per world size), reused across tests.
+"""Shared fixtures: persistent gloo rank pools (one per world size in each pytest process: each
+xdist worker has its own), reused across tests.
 
 A multi-rank test calls ``ranks(n).run(fn, *args)``: ``fn`` (a module-level function) runs on
 every rank of an ``n``-rank gloo world on free loopback ports; a failing rank fails the test
@@ -11,7 +12,7 @@ import pytest
 
 from hpservice.launch import RankPool
 
-pytest_plugins = ["tests._cpu_cost"]  # each test's CPU seconds, machine-wide, summed at the end
+pytest_plugins = ["tests._cpu_cost"]  # each test's CPU seconds, its process tree's, listed at the end
 
 
 class _Pools:
