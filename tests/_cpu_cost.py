@@ -5,7 +5,9 @@ of their own (``--durations`` counts wall time only, and ``time pytest`` misses 
 A test's CPU is that of the pytest process's tree (``/proc``): each live descendant's CPU, plus
 what the ones that ended and were waited for left in their parents' counts. With several
 pytest-xdist workers each worker counts its own tree, so a test is not charged for what the other
-worker ran meanwhile; the workers hand their lines to the controller, which prints them.
+worker ran meanwhile; the workers hand their lines to the controller, which prints them. It is a
+lower bound: a process whose parent ends before waiting for it (the Ray workers of a raylet a
+test kills) takes its CPU out of the tree. The session line, machine-wide, misses nothing.
 
 At the end, the 20 tests that used the most CPU, and how busy the machine was over the session:
 the suite's time can only fall below (CPU seconds used) / (cores) by spending fewer. Linux only
