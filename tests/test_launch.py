@@ -40,6 +40,7 @@ def _live_meshes_and_gloo_threads():
 
     from hpservice.dtensor import DeviceMesh
 
+    gc.unfreeze()  # what earlier calls left is frozen (hpservice.launch), which get_objects skips
     gc.collect()
     meshes = sum(isinstance(o, (DeviceMesh, TorchMesh)) for o in gc.get_objects())
     threads = sum(p.read_text().strip() == "gloo_tcp_loop" for p in Path("/proc/self/task").glob("*/comm"))
