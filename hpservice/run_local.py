@@ -25,7 +25,10 @@ def run_job(spec, *, address: str | None = None, console: Console | None = None)
     needed = math.ceil(spec.resources.workers * spec.resources.cpus_per_worker)
     connect(address, num_cpus=max(os.cpu_count() or 1, needed), runtime_env=spec.runtime.runtime_env())
     handle = start_job(spec)
-    console.print(f"job [bold]{handle.job_id}[/]: {spec.resources.workers} workers, {spec.training.steps} steps")
+    workers, steps = spec.resources.workers, spec.training.steps
+    console.print(
+        f"job [bold]{handle.job_id}[/]: {workers} worker{'s' * (workers != 1)}, {steps} step{'s' * (steps != 1)}"
+    )
     cursor, last, interrupts = 0, None, 0
     records: dict[int, dict] = {}  # by step: a restart's re-run steps replace the earlier ones
     try:
