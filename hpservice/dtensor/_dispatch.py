@@ -29,6 +29,7 @@ import torch
 from ._api import DTensor, _redistribute
 from ._layout import DTensorSpec
 from ._ops import LocalShaped, PlainTensor, RuleError, decide, rule_for, written_args
+from ._ops._registry import same_ranks
 from .placement_types import Replicate
 
 aten = torch.ops.aten
@@ -177,6 +178,8 @@ def _at_target(func, a: DTensor, target: DTensorSpec, position: int, info: _OpIn
     src = a._spec
     if src is target or (src.placements == target.placements and src.mesh == target.mesh):
         return a._wait_local(), False
+    if src.is_replicated() and target.is_replicated() and same_ranks(src.mesh, target.mesh):
+        return a._wait_local(), False  # the same value on the same ranks (_registry.one_mesh)
     return _move(func, a, target, position, info)._wait_local(), True
 
 

@@ -92,9 +92,9 @@ def test_var_cumsum_sort_topk_index_ops_match_torch(ranks):
 
 def _check_random_like_and_seeding():
     """rand_like / randn_like / randint_like and in-place samplers: the global tensor does not depend
-    on the placements and replicas agree. Seeding: with torch.manual_seed(s) on every rank before
-    the first DTensor random op (the tracker takes rank 0's torch seed then), a rerun from the same
-    start reproduces the values; hpservice.dtensor.random.manual_seed reseeds at any time."""
+    on the placements and replicas agree. Seeding: the first DTensor random op of a process copies
+    rank 0's generator state to every rank (torch's run_state_sync), so ranks seeded differently
+    still agree; from then on torch.manual_seed (or random.manual_seed) reseeds, as in torch."""
     from hpservice.dtensor import random as dtensor_random
 
     world = dist.get_world_size()
@@ -104,7 +104,7 @@ def _check_random_like_and_seeding():
     def draw():
         out = {}
         for placement in (ours.Shard(0), ours.Shard(1), ours.Replicate()):
-            dtensor_random.set_rng_state(state)
+            torch.set_rng_state(state)
             x = ours.distribute_tensor(base, mesh, [placement])
             out[placement] = [
                 torch.rand_like(x).full_tensor(),
@@ -114,10 +114,10 @@ def _check_random_like_and_seeding():
             ]
         return out
 
-    dtensor_random.set_rng_state((None, 0))  # a fresh process: no DTensor random op yet
-    torch.manual_seed(1234 + dist.get_rank())  # ranks disagree: rank 0's seed is taken
+    dtensor_random._rng_tracker = None  # a fresh process: no DTensor random op yet
+    torch.manual_seed(1234 + dist.get_rank())  # ranks disagree: rank 0's state is taken
     first = ours.distribute_tensor(base, mesh, [ours.Shard(0)]).uniform_().full_tensor()
-    state = dtensor_random.get_rng_state()
+    state = torch.get_rng_state()
     runs = draw()
     for placement, values in runs.items():
         for a, b in zip(values, runs[ours.Replicate()], strict=True):
@@ -127,21 +127,105 @@ def _check_random_like_and_seeding():
     dist.all_gather(gathered, first)
     assert all(torch.equal(g, first) for g in gathered)  # every rank holds the same global tensor
 
-    dtensor_random.set_rng_state((None, 0))  # the same start again reproduces the same values
+    dtensor_random._rng_tracker = None  # the same start again reproduces the same values
     torch.manual_seed(1234 + dist.get_rank())
     again = ours.distribute_tensor(base, mesh, [ours.Replicate()]).uniform_().full_tensor()
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
-    dtensor_random.manual_seed(7)
+    dtensor_random.manual_seed(7, mesh)  # torch's signature; = torch.manual_seed(7)
     a = ours.distribute_tensor(base, mesh, [ours.Shard(1)]).normal_().full_tensor()
-    dtensor_random.manual_seed(7)
+    torch.manual_seed(7)
     b = ours.distribute_tensor(base, mesh, [ours.Shard(0)]).normal_().full_tensor()
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert dtensor_random.is_rng_supported_mesh(mesh)
     return True
 
 
 def test_random_like_factories_and_torch_seeding(ranks):
     ranks(2).run(_check_random_like_and_seeding)
+
+
+def _reseeded_draws(api, mesh, make):
+    """The issue's recipe: torch.manual_seed(0), a random op on a sharded DTensor, gathered; again."""
+    import warnings
+
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "DTensor random operators may not have complete support on cpu"
+        for _ in range(2):
+            torch.manual_seed(0)
+            out.append([f().full_tensor() for f in make(api, mesh)])
+    return out
+
+
+def _random_recipes(api, mesh):
+    model = nn.Sequential(nn.Identity(), nn.Dropout(0.5))  # no parameters: nothing drawn before the ops
+    return [
+        lambda: api.distribute_tensor(torch.empty(4, 4), mesh, [api.Shard(0)]).uniform_(),
+        lambda: api.distribute_tensor(torch.empty(5, 3), mesh, [api.Shard(1)]).normal_(2.0, 0.5),
+        lambda: nn.init.kaiming_uniform_(api.distribute_tensor(torch.empty(7, 4), mesh, [api.Shard(0)])),
+        lambda: torch.nn.functional.dropout(
+            api.distribute_tensor(torch.ones(6, 4), mesh, [api.Shard(0)]), 0.5, training=True
+        ),
+        lambda: model[1](api.distribute_tensor(torch.ones(4, 6), mesh, [api.Shard(1)])),
+        lambda: torch.rand_like(api.distribute_tensor(torch.empty(3, 5), mesh, [api.Shard(0)])),
+    ]
+
+
+def _check_reseeding_reproduces_as_torch():
+    """torch.manual_seed(s) on every rank, then random ops on sharded DTensors (samplers, nn.init,
+    dropout, a model's Dropout, rand_like), gathered; reseeded, the same ops give the same values,
+    in torch's DTensor and in ours. Ours also gives the global tensor that Replicate draws (torch's
+    CPU DTensor repeats rank 0's piece on every rank, docs/compat.md)."""
+    t, t_mesh = _torch()
+    world = dist.get_world_size()
+    mine = _reseeded_draws(ours, ours.init_device_mesh("cpu", (world,)), _random_recipes)
+    theirs = _reseeded_draws(t, t_mesh("cpu", (world,)), _random_recipes)
+    for first, second in (mine, theirs):
+        for a, b in zip(first, second, strict=True):
+            assert torch.equal(a, b)
+    mesh = ours.init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    replicated = ours.distribute_tensor(torch.empty(4, 4), mesh, [ours.Replicate()]).uniform_().to_local()
+    assert torch.equal(mine[0][0], replicated)
+    assert not torch.equal(mine[0][0][:2], mine[0][0][2:])
+    # a generator= draws from that generator and advances it, as torch's does
+    g = torch.Generator().manual_seed(3)
+    x = ours.distribute_tensor(torch.empty(4, 4), mesh, [ours.Shard(0)]).uniform_(generator=g).full_tensor()
+    g2 = torch.Generator().manual_seed(3)
+    y = ours.distribute_tensor(torch.empty(4, 4), mesh, [ours.Replicate()]).uniform_(generator=g2).full_tensor()
+    assert torch.equal(x, y) and torch.equal(g.get_state(), g2.get_state())
+    assert not torch.equal(g.get_state(), torch.Generator().manual_seed(3).get_state())
+    return True
+
+
+def test_reseeding_torch_reproduces_random_ops_dropout_and_init_as_torch(ranks):
+    ranks(2).run(_check_reseeding_reproduces_as_torch)
+
+
+def _check_fully_shard_init_reproduces():
+    """nn.init on fully_shard parameters after torch.manual_seed: reseeded, the same values; and the
+    values a single process draws with Replicate placements (sharding-independent)."""
+    world = dist.get_world_size()
+    mesh = ours.init_device_mesh("cpu", (world,))
+
+    def init():
+        model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+        fully_shard(model, mesh=mesh)
+        torch.manual_seed(11)
+        with torch.no_grad():
+            for m in model:
+                m.reset_parameters()
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    a, b = init(), init()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    return True
+
+
+def test_nn_init_on_fully_shard_parameters_reproduces_after_reseeding(ranks):
+    ranks(2).run(_check_fully_shard_init_reproduces)
 
 
 def _check_random_op_on_shards_against_torch():
@@ -711,6 +795,97 @@ def test_norms_over_a_dim_normalize_and_scatter_add_match_torch(ranks):
             assert mine[key][0] == theirs[key][0], (key, mine[key][0], theirs[key][0])
             for a, b in zip(mine[key][1:], theirs[key][1:], strict=True):
                 torch.testing.assert_close(a, b, msg=str(key))
+
+
+# ---- a Partial result fed to other ops, and the nan-reductions ---------------------------------------
+
+# op -> placements ours gives where torch's differ with the same values: torch keeps a Shard from the
+# reduced input where ours gathers (sort, topk), or ours keeps a valid Partial that torch reduces.
+_PARTIAL_FED = {
+    "relu": torch.relu, "gelu": nn.functional.gelu, "silu": nn.functional.silu, "exp": torch.exp,
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "abs": torch.abs, "square": torch.square,
+    "pow": lambda x: x.pow(3), "sign": torch.sign, "clamp": lambda x: x.clamp(-0.5, 0.5),
+    "where": lambda x: torch.where(x > 0, x, 0.0), "eq": lambda x: x == 0,
+    "reciprocal": lambda x: 1 / (x.abs() + 1), "x + 1": lambda x: x + 1, "x - 2.5": lambda x: x - 2.5,
+    "x * x": lambda x: x * x, "x + x": lambda x: x + x, "neg": torch.neg, "x * 2": lambda x: x * 2,
+    "softmax(0)": lambda x: x.softmax(0), "softmax(1)": lambda x: x.softmax(1),
+    "log_softmax(1)": lambda x: nn.functional.log_softmax(x, 1),
+    "layer_norm": lambda x: nn.functional.layer_norm(x, (x.shape[-1],)),
+    "sum": lambda x: x.sum(), "sum(0)": lambda x: x.sum(0), "mean": lambda x: x.mean(),
+    "amax(1)": lambda x: x.amax(1), "max": lambda x: x.max(), "argmax(1)": lambda x: x.argmax(1),
+    "norm": lambda x: x.norm(), "norm(dim=1)": lambda x: x.norm(dim=1), "var(1)": lambda x: x.var(1),
+    "cumsum(1)": lambda x: x.cumsum(1), "sort(1)": lambda x: x.sort(1)[0], "topk(2, 1)": lambda x: x.topk(2, 1)[0],
+    "logsumexp(1)": lambda x: x.logsumexp(1), "prod(1)": lambda x: x.prod(1), "prod": lambda x: x.prod(),
+    "nansum": lambda x: x.nansum(), "nanmean": lambda x: x.nanmean(), "median": lambda x: x.median(),
+    "median(1)": lambda x: x.median(1)[0], "nanmedian(0)": lambda x: x.nanmedian(0)[0],
+}  # fmt: skip
+_PARTIAL_FED_LAYOUT_DIFFERS = {"mean": ("Partial",), "x * x": ("Replicate",), "cumsum(1)": ("Partial",), "sort(1)": ("Replicate",),
+                               "topk(2, 1)": ("Replicate",), "nansum": ("Replicate",), "nanmean": ("Replicate",)}  # fmt: skip
+
+
+def _check_partial_fed_ops():
+    """``a @ b`` with ``a`` Shard(1) and ``b`` Shard(0) is a Partial sum; every op fed with it
+    gives torch's values, and torch's placement except where listed (values equal there)."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    a_full, b_full = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g)
+    results = []
+    for api, mesh in _both(world):
+        out = {}
+        for name, op in _PARTIAL_FED.items():
+            y = api.distribute_tensor(a_full, mesh, [api.Shard(1)]) @ api.distribute_tensor(
+                b_full, mesh, [api.Shard(0)]
+            )
+            assert type(y.placements[0]).__name__ == "Partial"
+            r = op(y)
+            out[name] = (tuple(type(p).__name__ for p in r.placements), r.full_tensor())
+        results.append(out)
+    plain = {name: op(a_full @ b_full) for name, op in _PARTIAL_FED.items()}
+    return results, plain
+
+
+def test_a_partial_result_fed_to_any_op_is_reduced_where_torch_reduces_it(ranks):
+    (mine, theirs), plain = ranks(2).run(_check_partial_fed_ops)[0]
+    for name in _PARTIAL_FED:
+        expected = _PARTIAL_FED_LAYOUT_DIFFERS.get(name, theirs[name][0])
+        assert mine[name][0] == expected, (name, mine[name][0], theirs[name][0])
+        torch.testing.assert_close(mine[name][1], theirs[name][1], msg=name)
+        torch.testing.assert_close(mine[name][1], plain[name], msg=name)
+
+
+def _check_nan_reductions():
+    """nansum / nanmean / nanmedian on Shard(0) (uneven), Shard(1) and Replicate DTensors holding
+    NaNs: the plain tensor's values, as torch's DTensor gives them. (nanquantile / quantile are
+    refused: torch's decomposition squeezes a DTensor in place, docs/compat.md.)"""
+    world = dist.get_world_size()
+    full = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    full[1, 2] = full[4, 0] = full[3, 5] = float("nan")
+    ops = {
+        "nansum": lambda x: x.nansum(), "nansum(0)": lambda x: x.nansum(0), "nansum(1, keepdim)": lambda x: x.nansum(1, keepdim=True),
+        "nanmean": lambda x: x.nanmean(), "nanmean(0)": lambda x: x.nanmean(0), "nanmean(1)": lambda x: x.nanmean(1),
+        "nanmedian": lambda x: x.nanmedian(), "nanmedian(0)": lambda x: x.nanmedian(0)[0], "nanmedian(1)": lambda x: x.nanmedian(1)[0],
+    }  # fmt: skip
+    results = []
+    for api, mesh in _both(world):
+        out = {}
+        for placement in (api.Shard(0), api.Shard(1), api.Replicate()):
+            for name, op in ops.items():
+                x = api.distribute_tensor(full, mesh, [placement])
+                try:
+                    out[(str(placement), name)] = op(x).full_tensor()
+                except Exception as e:  # torch's refusals are recorded, not ours
+                    out[(str(placement), name)] = type(e).__name__
+        results.append(out)
+    return results, {name: op(full) for name, op in ops.items()}
+
+
+def test_nan_reductions_on_sharded_dtensors_equal_the_plain_tensor(ranks):
+    (mine, theirs), plain = ranks(2).run(_check_nan_reductions)[0]
+    for (placement, name), value in mine.items():
+        assert isinstance(value, torch.Tensor), (placement, name, value, theirs[(placement, name)])
+        torch.testing.assert_close(value, plain[name], equal_nan=True, msg=f"{placement} {name}")
+        if isinstance(theirs[(placement, name)], torch.Tensor):
+            torch.testing.assert_close(value, theirs[(placement, name)], equal_nan=True, msg=f"{placement} {name}")
 
 
 # ---- distribute_module (torch's documented recipe) --------------------------------------------------------

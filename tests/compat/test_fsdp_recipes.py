@@ -452,3 +452,83 @@ def _check_is_last_backward_microbatches():
 
 def test_set_is_last_backward_microbatches_accumulate_as_torch(ranks):
     ranks(2).run(_check_is_last_backward_microbatches)
+
+
+# ---- clip_grad_norm_ over tensor parallel + fully_shard on a 2x2 mesh -------------------------------
+
+
+def _tp_fsdp_mlp(api, norm: bool):
+    """A Colwise/Rowwise MLP with biases (and a LayerNorm that tp leaves alone), tp on one mesh
+    dim, fully_shard on the other: gradients on the 2-D mesh(es) and, for the norm, the dp mesh."""
+    if api == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    else:
+        from hpservice.dtensor import init_device_mesh
+        from hpservice.fsdp import fully_shard as shard
+        from hpservice.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 36), nn.GELU(), nn.Linear(36, 16)] + ([nn.LayerNorm(16)] if norm else [])
+    ref = nn.Sequential(*layers)
+    model = copy.deepcopy(ref)
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, world["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    shard(model, mesh=world["dp"])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    model(x.chunk(2)[world["dp"].get_local_rank()]).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    return model, ref
+
+
+def _clip(model, clip, norm_type, **kw):
+    try:
+        total = clip(model.parameters(), 0.05, norm_type=norm_type, **kw)
+    except Exception as e:  # the refusal is compared with torch's
+        return type(e).__name__
+    total = total.full_tensor() if hasattr(total, "full_tensor") else total  # ours or torch's DTensor
+    return total, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def _check_clip_grad_norm_tp_fsdp():
+    from hpservice.train import clip_grad_norm_ as our_clip
+
+    for norm_type in (2.0, float("inf"), 3.0):
+        for foreach in (None, False):
+            kw = {"foreach": foreach, "error_if_nonfinite": True}
+            theirs = _clip(_tp_fsdp_mlp("torch", False)[0], torch.nn.utils.clip_grad_norm_, norm_type, **kw)
+            model, ref = _tp_fsdp_mlp("ours", False)
+            mine = _clip(model, torch.nn.utils.clip_grad_norm_, norm_type, **kw)
+            single = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type, foreach=foreach)
+            key = (norm_type, foreach)
+            assert not isinstance(theirs, str) and not isinstance(mine, str), (key, theirs, mine)
+            torch.testing.assert_close(mine[0], theirs[0], rtol=1e-6, atol=1e-7, msg=str(key))
+            torch.testing.assert_close(mine[0], single, rtol=1e-6, atol=1e-7, msg=str(key))
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(mine[1][name], p.grad, rtol=1e-5, atol=1e-8, msg=f"{key} {name}")
+                torch.testing.assert_close(mine[1][name], theirs[1][name], rtol=1e-5, atol=1e-8, msg=f"{key} {name}")
+        # With a LayerNorm on the dp mesh alone, torch refuses the cross-mesh stack, and so do we
+        # (the norm's value on the other dp group is not ours to assume); our trainer's clip,
+        # grouping gradients by mesh, computes it.
+        assert _clip(_tp_fsdp_mlp("torch", True)[0], torch.nn.utils.clip_grad_norm_, norm_type) == "RuntimeError"
+        model, ref = _tp_fsdp_mlp("ours", True)
+        assert _clip(model, torch.nn.utils.clip_grad_norm_, norm_type) == "NotImplementedError"
+        total = our_clip(model.parameters(), 0.05, norm_type=norm_type)
+        single = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+        torch.testing.assert_close(total, single, rtol=1e-6, atol=1e-7)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(
+                dict(model.named_parameters())[name].grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-7
+            )
+    # error_if_nonfinite: torch's RuntimeError, from ours as from torch's
+    for api in ("torch", "ours"):
+        model, _ = _tp_fsdp_mlp(api, False)
+        with torch.no_grad():
+            next(iter(model.parameters())).grad.fill_(float("nan"))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    return True
+
+
+def test_clip_grad_norm_over_tensor_parallel_and_fully_shard_equals_one_process_and_torch(ranks):
+    ranks(4).run(_check_clip_grad_norm_tp_fsdp, timeout=300)

@@ -177,10 +177,11 @@ def _check_clear_errors():
     with pytest.raises(RuntimeError, match=r"mixes a DTensor with a torch.Tensor of shape \(4, 4\)"):
         a + torch.ones(4, 4)
     p = DTensor.from_local(torch.ones(4, 4), mesh, [Partial(), Partial()])
-    with pytest.raises(NotImplementedError, match=r"P\(sum\), P\(sum\).*not linear"):
-        p.exp()
-    with pytest.raises(NotImplementedError, match="not linear"):
-        p + 1  # adding 1 on each rank would add 4 to the global value
+    # not linear in the pending sums: reduced first, as torch does (adding 1 on each rank of a
+    # pending sum would add 4 to the global value)
+    e, q = p.exp(), p + 1
+    assert torch.equal(e.full_tensor(), torch.full((4, 4), 4.0).exp()) and e.placements == (Replicate(), Replicate())
+    assert torch.equal(q.full_tensor(), torch.full((4, 4), 5.0)) and q.placements == (Replicate(), Replicate())
     assert torch.equal((p * 2 + p).full_tensor(), torch.full((4, 4), 12.0))  # linear ops are fine
     with pytest.raises(ValueError, match="has 1 entries for a 2-d mesh"):
         a.redistribute(mesh, [Shard(0)])

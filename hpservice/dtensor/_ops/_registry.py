@@ -124,10 +124,13 @@ def decide(func, args: tuple, kwargs: tuple, mesh_ids: tuple = ()) -> Decision:
     specs = flat_specs(args)
     if not specs:
         raise RuleError("no DTensor among the positional arguments")
-    mesh = specs[0].mesh
     rule, _ = rule_for(func)
-    if not getattr(rule, "per_element", False) and any(s.mesh != mesh for s in specs):
-        raise RuleError("all DTensor operands must share one mesh")
+    if not getattr(rule, "per_element", False):
+        mesh = one_mesh(specs)
+        if any(s.mesh != mesh for s in specs):
+            args = _rebound(args, mesh)
+            specs = flat_specs(args)
+    mesh = specs[0].mesh
     if rule is None:
         if all(s.is_replicated() for s in specs):
             return Decision(tuple(specs), LocalShaped(mesh))
@@ -174,6 +177,42 @@ def _with_view_strides(func, args: tuple, kwargs: tuple, decision: Decision) -> 
     else:
         outs = restride(decision.out, out)
     return decision._replace(out=outs)
+
+
+def same_ranks(a, b) -> bool:
+    """Meshes over the same set of ranks and device type (``(dp, tp)`` and ``(tp, dp)`` of one
+    world): a fully replicated value on one is the same value, held by the same ranks, on the other."""
+    return a == b or (a.device_type == b.device_type and sorted(a._ranks) == sorted(b._ranks))
+
+
+def one_mesh(specs) -> object:
+    """The mesh that operands on several meshes meet on: the first sharded or Partial operand's.
+    Operands on another mesh are allowed when fully replicated over the same ranks (the norms of
+    gradients that live on ``(dp, tp)`` and ``(tp, dp)``, stacked by ``clip_grad_norm_``); any
+    other mix is refused, as torch refuses a cross-mesh op."""
+    ref = next((s for s in specs if not s.is_replicated()), specs[0]).mesh
+    for s in specs:
+        if s.mesh != ref and not (s.is_replicated() and same_ranks(s.mesh, ref)):
+            raise RuleError("all DTensor operands must share one mesh")
+    return ref
+
+
+def rebind(spec: DTensorSpec, mesh) -> DTensorSpec:
+    """A fully replicated ``spec`` re-expressed on ``mesh`` (over the same ranks, ``same_ranks``)."""
+    if spec.mesh == mesh:
+        return spec
+    return DTensorSpec(mesh, (_R,) * mesh.ndim, spec.shape, spec.stride)
+
+
+def _rebound(args: tuple, mesh) -> tuple:
+    def one(a):
+        if isinstance(a, DTensorSpec):
+            return rebind(a, mesh)
+        if isinstance(a, tuple):
+            return tuple(one(x) for x in a)
+        return a
+
+    return tuple(one(a) for a in args)
 
 
 def flat_specs(args: tuple) -> list[DTensorSpec]:
