@@ -26,6 +26,16 @@ from pathlib import Path
 from hpservice.launch import free_port
 
 STARTUP_TIMEOUT_S = 120.0
+HEAD_START_ATTEMPTS = 3  # a port taken between our probe and Ray's bind: new ports, again
+
+# Ports `ray start --head` takes at fixed defaults unless told otherwise (GCS 6379, dashboard 8265,
+# Ray Client 10001, dashboard agent 52365) and its default worker port range: a free-port probe
+# may hand out 52365 (it lies in Linux's ephemeral range), and Ray then refuses to start ("a port
+# number 52365 that is used by other components"). Every one of them is given explicitly, from
+# probes that skip these.
+RAY_FIXED_PORTS = frozenset({6379, 8265, 10001, 52365})
+RAY_WORKER_PORTS = range(10002, 20000)
+_PORT_CONFLICT = ("used by other components", "already in use", "Address already in use")
 
 
 def _state_file(data_dir: Path) -> Path:
@@ -71,16 +81,49 @@ def ensure_head(data_dir: Path, num_cpus: int | None = None, num_gpus: int | Non
     head = running_head(data_dir)
     if head is not None:
         return head
-    port, dashboard_port = free_port(), free_port()
     state = _state_file(data_dir)
     state.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, HEAD_START_ATTEMPTS + 1):
+        try:
+            head = _start_head(state, num_cpus, num_gpus)
+            break
+        except _PortConflict as e:
+            if attempt == HEAD_START_ATTEMPTS:
+                raise RuntimeError(f"{e}; tried {attempt} sets of ports") from None
+    tmp = state.with_suffix(".tmp")
+    tmp.write_text(json.dumps(head))
+    tmp.replace(state)
+    return head
+
+
+class _PortConflict(RuntimeError):
+    pass
+
+
+def head_ports(count: int = 4, probe=None) -> list[int]:
+    """``count`` distinct free ports (GCS, dashboard, dashboard agent, Ray Client), none of the
+    ones Ray would also take by default."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = (probe or free_port)()
+        if port not in RAY_FIXED_PORTS and port not in RAY_WORKER_PORTS and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _start_head(state: Path, num_cpus: int | None, num_gpus: int | None) -> dict:
+    port, dashboard_port, agent_port, client_port = head_ports()
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     cmd = [
         ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={num_cpus or os.cpu_count() or 1}",
         *([f"--num-gpus={num_gpus}"] if num_gpus is not None else []),
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--disable-usage-stats", "--block",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
+        "--disable-usage-stats", "--block",
     ]  # fmt: skip
-    log = open(state.parent / "head.log", "ab")  # noqa: SIM115 - the head's own output, for as long as it runs
+    log_path = state.parent / "head.log"
+    log_start = log_path.stat().st_size if log_path.exists() else 0
+    log = open(log_path, "ab")  # noqa: SIM115 - the head's own output, for as long as it runs
     proc = subprocess.Popen(
         cmd,
         stdout=log,
@@ -102,16 +145,18 @@ def ensure_head(data_dir: Path, num_cpus: int | None = None, num_gpus: int | Non
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not _listening(host, port):
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start --head exited with {proc.returncode}; see {state.parent / 'head.log'}")
+            with open(log_path, "rb") as f:
+                f.seek(log_start)
+                said = f.read().decode(errors="replace")
+            why = f"ray start --head exited with {proc.returncode}; see {log_path}"
+            if any(c in said for c in _PORT_CONFLICT):
+                raise _PortConflict(f"{why} (a port conflict)")
+            raise RuntimeError(why)
         if time.monotonic() > deadline:
             _kill_group(proc.pid)
             raise RuntimeError(f"the Ray head did not listen on {host}:{port} within {STARTUP_TIMEOUT_S:g} s")
         time.sleep(0.2)
-    head = {"address": f"{host}:{port}", "dashboard_url": f"http://127.0.0.1:{dashboard_port}", "pid": proc.pid}
-    tmp = state.with_suffix(".tmp")
-    tmp.write_text(json.dumps(head))
-    tmp.replace(state)
-    return head
+    return {"address": f"{host}:{port}", "dashboard_url": f"http://127.0.0.1:{dashboard_port}", "pid": proc.pid}
 
 
 def stop_head(data_dir: Path, timeout_s: float = 60.0) -> bool:
