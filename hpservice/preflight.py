@@ -18,6 +18,9 @@ the job is handed over, and each names the field, the value and what would work:
 - ``check_inputs``: the files a job reads exist (data, tokenizer, ``model.init_from``,
   ``checkpoint.resume_from``). ``run`` and ``validate`` check them on this machine; the API checks
   the ones under a data root it can see itself (a root it cannot see is the workers' business).
+- ``check_composition``: settings that cannot run together (a factory on synthetic data without
+  ``data.vocab_size``; a sliding window shorter than ``seq_len`` under ``cp`` or
+  ``document_mask``).
 - ``check_devices``: ``resources.use_gpu: true`` on a machine with no CUDA device, for a job whose
   workers run here.
 
@@ -250,6 +253,46 @@ def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
     return []
 
 
+def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
+    """Settings that parse one by one but cannot run together, from the spec and the model's config
+    where it is known (a built-in's flavor and overrides anywhere; ``model.init_from``'s
+    config.json only with ``read_files``, on the machine the job runs on):
+
+    - a custom factory on synthetic data needs ``data.vocab_size`` (a built-in's is its config's);
+    - a sliding window shorter than ``data.seq_len`` (Mistral's checkpoints mostly have 4096) is
+      not built under ``parallelism.cp`` or ``data.document_mask``; a window at least
+      ``seq_len`` long is no window and composes with both (the trainer drops it)."""
+    errors: Errors = []
+    name = spec.model.name
+    if name is not None and ":" in name:
+        for where, d in (("data", spec.data), ("eval.data", spec.eval.data)):
+            if d is not None and d.kind == "synthetic" and d.vocab_size is None:
+                errors.append((
+                    f"{where}.vocab_size",
+                    f"required with a custom model ({name}) on synthetic data: a built-in model's comes from its "
+                    "config, a factory's is not known before it is built",
+                ))  # fmt: skip
+        return errors
+    if spec.model.init_from is not None and not read_files:
+        return errors
+    from hpservice.models import model_config
+
+    try:
+        cfg = model_config(name, spec.model.flavor, spec.model.overrides, spec.model.init_from)
+    except Exception:  # an unknown flavor, a broken config.json: check_model / check_inputs say which
+        return errors
+    window, seq_len = getattr(cfg, "sliding_window", None), spec.data.seq_len
+    if window is not None and window < seq_len:
+        for field, on in (("parallelism.cp", spec.parallelism.cp > 1), ("data.document_mask", spec.data.document_mask)):
+            if on:
+                errors.append((
+                    field,
+                    f"the model's sliding_window ({window}) is shorter than data.seq_len ({seq_len}): sliding-window "
+                    f"attention with {field} is not built yet; turn {field} off, or train with data.seq_len <= {window}",
+                ))  # fmt: skip
+    return errors
+
+
 def check_devices(spec: JobSpec) -> Errors:
     """A job that must have a GPU, for workers that run on this machine."""
     import torch
@@ -263,7 +306,7 @@ def preflight(spec: JobSpec, *, source: str = "job", here: bool = True, devices_
     """Raise ``SpecError`` listing everything that would make ``spec`` fail before it starts.
     ``here``: the job runs on this machine (its model and files are this machine's);
     ``devices_here``: its workers use this machine's devices (default ``here``)."""
-    errors = check_layout(spec)
+    errors = check_layout(spec) + check_composition(spec, read_files=here)
     if here:
         errors += check_model(spec) + check_inputs(spec)
     if here if devices_here is None else devices_here:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from hpservice.jobs import TERMINAL_STATES, JobState
-from hpservice.preflight import check_layout, raise_if
+from hpservice.preflight import check_composition, check_layout, raise_if
 from hpservice.spec import (
     INT64,
     NAME_PATTERN,
@@ -95,7 +95,7 @@ def _decode(raw: bytes, ctype: str):
 def _validate(data) -> JobSpec:
     try:
         spec = parse_job(data, source="job spec")
-        raise_if(check_layout(spec), "job spec")
+        raise_if(check_layout(spec) + check_composition(spec, read_files=False), "job spec")
         return spec
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]

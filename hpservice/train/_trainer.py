@@ -401,6 +401,9 @@ class Trainer:
         m = spec.model
         self.model_name = resolve_name(m.name, m.init_from)  # the family of an init_from checkpoint
         model = build_model(self.model_name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+        for module in model.modules():  # a window that covers every sequence is no window (preflight)
+            if getattr(module, "sliding_window", None) is not None and module.sliding_window >= spec.data.seq_len:
+                module.sliding_window = None
         frozen = set(freeze(model, spec.training.freeze))  # the patterns must match the whole model
         if self.cp_mesh is not None and "positions" not in inspect.signature(model.forward).parameters:
             raise TrainingError(

@@ -38,6 +38,13 @@ def test_submit_json_and_yaml(tmp_path):
         ("name: x\ntraining: {steps: [1\n", "application/yaml", None, "YAML syntax error at line 3"),
         ('{"name": ', "application/json", None, "JSON syntax error at line 1"),
         ("[1, 2]", "application/json", None, "expected a mapping"),
+        (
+            '{"name": "x", "model": {"name": "mistral", "flavor": "tiny"}, "data": {"seq_len": 32}, '
+            '"parallelism": {"cp": 2}, "resources": {"workers": 2}}',
+            "application/json",
+            "parallelism.cp",
+            "sliding_window (16) is shorter than data.seq_len (32)",
+        ),
     ],
 )
 def test_bad_specs_are_422_with_the_path(tmp_path, body, ctype, path, fragment):

@@ -131,6 +131,44 @@ def test_what_can_only_fail_is_refused_before_anything_starts(tmp_path):
     assert list(remote) == ["data.global_batch"]
 
 
+def test_what_cannot_run_together_is_refused_by_validate_run_and_submit_alike():
+    """A factory on synthetic data without data.vocab_size; a sliding window shorter than seq_len
+    under cp or document_mask: refused naming the field, here and for workers elsewhere."""
+    factory = {"model": {"name": "tests.train.test_own_model:plain_lm"}}
+    for here in (True, False):
+        errors = _errors({**factory, "eval": {"interval": 2, "data": {"kind": "synthetic"}}}, here=here)
+        assert "required with a custom model" in errors["data.vocab_size"], errors
+        assert "required with a custom model" in errors["eval.data.vocab_size"], errors
+        mistral = {"model": {"name": "mistral", "flavor": "tiny"}, "data": {"seq_len": 32}}  # window 16
+        errors = _errors({**mistral, "parallelism": {"cp": 2}, "resources": {"workers": 2}}, here=here)
+        assert errors["parallelism.cp"].startswith("the model's sliding_window (16) is shorter than data.seq_len (32)")
+        errors = _errors({**mistral, "data": {"seq_len": 32, "document_mask": True, "eos_id": 0}}, here=here)
+        assert list(errors) == ["data.document_mask"]
+        # a window as long as the sequence is no window: accepted
+        long = {"name": "p", **mistral, "parallelism": {"cp": 2}, "resources": {"workers": 2}}
+        long["model"] = {**long["model"], "overrides": {"sliding_window": 32}}
+        preflight(parse_job(long), here=here)
+
+
+def _train_losses(spec):
+    return [r["loss"] for r in Trainer(spec, log_to_stdout=False).train()]
+
+
+def test_a_sliding_window_as_long_as_the_sequence_trains_under_context_parallelism(ranks, tmp_path):
+    """Mistral with sliding_window >= seq_len under cp 2 (it used to raise at step 1): the same
+    losses as without a window."""
+    runs = []
+    for window in (32, None):
+        spec = _spec(
+            tmp_path / str(window),
+            model={"name": "mistral", "flavor": "tiny", "overrides": {"sliding_window": window}},
+            parallelism={"cp": 2},
+            training={"steps": 3},
+        )
+        runs.append(ranks(2).run(_train_losses, spec)[0])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA device")
 def test_a_gpu_job_on_a_machine_without_one_is_refused_here_only():
     errors = _errors({"resources": {"use_gpu": True}})
