@@ -95,7 +95,7 @@ def _decode(raw: bytes, ctype: str):
 def _validate(data) -> JobSpec:
     try:
         spec = parse_job(data, source="job spec")
-        raise_if(check_layout(spec) + check_composition(spec, read_files=False), "job spec")
+        raise_if(check_layout(spec), "job spec")
         return spec
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]
@@ -130,6 +130,8 @@ async def _create(spec, principal, settings, store, supervisor, idempotency_key=
     submitted = spec.model_dump(mode="json", by_alias=True)
     try:
         spec = await asyncio.to_thread(admit, spec, principal, job_id, settings)  # it looks at files
+        # after admission: a factory outside the allowlist is refused as that, not as a data field
+        raise_if(check_composition(spec, read_files=False), "job spec")
     except SpecError as e:
         details = [{"path": path, "message": msg} for path, msg in e.errors]
         raise APIError(422, str(e).splitlines()[0], details) from None

@@ -55,9 +55,13 @@ def test_model_factories_outside_the_allowlist_are_refused(tmp_path, factory):
 def test_allowed_factories_by_setting_and_entry_point(tmp_path, monkeypatch):
     monkeypatch.setattr(admission, "entry_point_factories", lambda: {"team-net": "team_models.nets:make"})
     with _client(tmp_path, model_factories=("tests.api._factories:tiny",)) as c:
-        ok = c.post("/v1/jobs", json=_spec(model={"name": "tests.api._factories:tiny", "flavor": None}), headers=_auth(ALICE))
+        data = {"kind": "synthetic", "vocab_size": 64}  # a factory's vocabulary is not known before it is built
+        tiny = _spec(model={"name": "tests.api._factories:tiny", "flavor": None}, data=data)
+        ok = c.post("/v1/jobs", json=tiny, headers=_auth(ALICE))
         assert ok.status_code == 201, ok.text
-        by_name = c.post("/v1/jobs", json=_spec(model={"name": "team-net", "flavor": None}), headers=_auth(ALICE))
+        no_vocab = c.post("/v1/jobs", json={**tiny, "data": {"kind": "synthetic"}}, headers=_auth(ALICE))
+        assert no_vocab.status_code == 422 and "data.vocab_size" in no_vocab.text
+        by_name = c.post("/v1/jobs", json=_spec(model={"name": "team-net", "flavor": None}, data=data), headers=_auth(ALICE))
         assert by_name.status_code == 201 and by_name.json()["spec"]["model"]["name"] == "team_models.nets:make"
         r = c.post("/v1/jobs", json=_spec(model={"name": "os:system", "flavor": None}), headers=_auth(ALICE))
         assert r.status_code == 422 and "tests.api._factories:tiny" in r.text and "team-net" in r.text

@@ -130,8 +130,9 @@ def _check_errors_and_no_mutation():
     # ops without a rule name themselves (the whole list: docs/dtensor-ops.md)
     with pytest.raises(NotImplementedError, match=r"aten.cumprod.default on DTensor placements \[\(S\(0\)\)\]"):
         torch.cumprod(a, 0)
-    with pytest.raises(NotImplementedError, match=r"aten.median.dim on DTensor placements \[\(S\(0\)\)\]"):
-        torch.median(a, 0)
+    with pytest.raises(NotImplementedError, match=r"aten.cummax.default on DTensor placements \[\(S\(0\)\)\]"):
+        torch.cummax(a, 0)
+    torch.testing.assert_close(torch.median(a, 0).values.full_tensor(), torch.median(a.full_tensor(), 0).values)
     # kthvalue and roll have rules now: the sharded dim is gathered, the values are the plain op's
     torch.testing.assert_close(torch.kthvalue(a, 2, 0).values.full_tensor(), torch.kthvalue(a.full_tensor(), 2, 0).values)
     torch.testing.assert_close(torch.roll(a, 1, 0).full_tensor(), torch.roll(a.full_tensor(), 1, 0))

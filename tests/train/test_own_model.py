@@ -110,7 +110,8 @@ def test_a_factory_takes_no_flavor_and_its_overrides_are_tried_on_meta(tmp_path)
     missing = _errors({"model": {"name": "no_such_package.models:build"}})
     assert "cannot import module 'no_such_package.models'" in missing["model.name"]
     # the service resolves names of its own: not checked when the job does not run here
-    preflight(parse_job({"name": "p", "model": {"name": "no_such_package.models:build"}}), here=False)
+    remote = {"name": "p", "model": {"name": "no_such_package.models:build"}, "data": {"vocab_size": VOCAB}}
+    preflight(parse_job(remote), here=False)
 
 
 def test_what_can_only_fail_is_refused_before_anything_starts(tmp_path):
