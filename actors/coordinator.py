@@ -25,9 +25,11 @@ methods answer clients.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
+import traceback
 from collections import deque
 from typing import NamedTuple
 
@@ -37,8 +39,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hpservice.jobs import COORDINATOR_ENDS, JobRecord, JobState
 
-from . import nodes, placement
-from .failure_policy import AttemptFailure, FailureKind, RestartPolicy, failure_from_polls, preemption_after_stop
+from . import _drill, nodes, placement
+from .failure_policy import (
+    AttemptFailure,
+    FailureKind,
+    RestartPolicy,
+    attempt_end,
+    failure_from_polls,
+    preemption_after_stop,
+)
 from .worker import TrainWorker
 
 METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted
@@ -277,6 +286,10 @@ class Coordinator:
             self._preempted_by = preemption_after_stop(self._stop_requested, self._preempted_by, preempted_by)
             self._stop_requested = True
             self._stop_deadline_s = deadline_s if graceful else 0.0
+            state, step = self.state, self._step
+        if state not in COORDINATOR_ENDS:  # when the stop arrived, in the job's history (drills read it)
+            with contextlib.suppress(RuntimeError):  # ended meanwhile: nothing left to stop
+                self._set_state(state, f"stop asked at step {step}: {preempted_by or 'cancel'}")
 
     def _stopped(self, how: str) -> tuple[JobState, str]:
         """The end of a run that was asked to stop: CANCELLED, or PREEMPTED with its reason."""
@@ -303,14 +316,28 @@ class Coordinator:
             JobState.CANCELLING: self._running,  # the same supervision, the stop already sent
         }
         cause = None
-        while self.state not in COORDINATOR_ENDS:
-            if self.state is JobState.RESTARTING:
-                state, message, cause = Transition(*self._restarting(cause or RestartCause()))
-            else:
-                state, message, cause = Transition(*handlers[self.state]())
-            self._set_state(state, message)
+        try:
+            while self.state not in COORDINATOR_ENDS:
+                _drill.fault_in(self.state)
+                if self.state is JobState.RESTARTING:
+                    state, message, cause = Transition(*self._restarting(cause or RestartCause()))
+                else:
+                    state, message, cause = Transition(*handlers[self.state]())
+                self._set_state(state, message)
+        except Exception as e:  # a bug in supervision: never a job that no one supervises
+            self._supervision_failed(e)
         self._teardown()
         return self.state
+
+    def _supervision_failed(self, e: Exception) -> None:
+        """End the job FAILED with the error in its history and the traceback in its log (not
+        restarted: the same supervision would meet the same error); ``run`` then releases its
+        workers and placement group, and the server sees the end as any other."""
+        self.add_log(0, self._step, f"coordinator: supervision raised\n{traceback.format_exc()}")
+        with contextlib.suppress(Exception):
+            self._kill_workers()
+        if self.state not in COORDINATOR_ENDS:  # FAILED is a move from every live state
+            self._set_state(JobState.FAILED, f"the job's supervision failed in {self.state}: {type(e).__name__}: {e}")
 
     def _queued(self) -> Next:
         """Reserve the placement group; wait (saying so once) until the cluster has room."""
@@ -538,13 +565,16 @@ class Coordinator:
                 raise self._classify(f"a worker died: {_short(e)}") from None
             except ray.exceptions.GetTimeoutError:
                 raise self._classify("workers stopped answering for 60 s") from None
+            _drill.wait_while_held()
             failure = failure_from_polls(polls)
             if failure is not None:
                 raise _Failure(failure.reason, failure.kind)
-            if all(p.done for p in polls):
-                if self._stop_requested:
-                    return self._stopped(f"stopped gracefully at step {max(p.step for p in polls)}")
-                return JobState.SUCCEEDED, f"finished {spec.training.steps} steps"
+            end = attempt_end(polls, spec.training.steps)
+            if end is not None:
+                if end.finished or not self._stop_requested:
+                    late = "; the stop asked meanwhile came after the last step" if self._stop_requested else ""
+                    return JobState.SUCCEEDED, f"finished {spec.training.steps} steps{late}"
+                return self._stopped(f"stopped gracefully at step {end.step}")
             if self._stop_requested:
                 if self._stop_sent_at is None:
                     ray.get([w.request_stop.remote() for w in self._workers])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class FailureKind(enum.Enum):
@@ -99,3 +100,22 @@ def preemption_after_stop(already_stopping: bool, preempted_by: str | None, aske
     if asked is None:
         return None
     return preempted_by if already_stopping else asked
+
+
+class AttemptEnd(NamedTuple):
+    """How an attempt whose ranks are all done ends: ``finished`` (it trained every step) or
+    ``stopped`` (a stop request ended it earlier)."""
+
+    finished: bool
+    step: int
+
+
+def attempt_end(polls: list[WorkerPoll], steps: int) -> AttemptEnd | None:
+    """None while any rank still trains. A run that reached its last step *finished*, whether or
+    not a stop (cancel, preemption) was asked meanwhile: the stop came too late to take effect,
+    and a finished job is not resumed or cancelled. Only an attempt that stopped short of
+    ``steps`` was stopped."""
+    if not all(p.done for p in polls):
+        return None
+    step = max(p.step for p in polls)
+    return AttemptEnd(step >= steps, step)

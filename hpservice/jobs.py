@@ -52,7 +52,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.STARTING: frozenset({_S.STARTING, _S.RUNNING, _S.RESTARTING}),
     _S.RUNNING: frozenset({_S.RUNNING, _S.RESTARTING, _S.CANCELLING, _S.SUCCEEDED}),
     _S.RESTARTING: frozenset({_S.RESTARTING, _S.RUNNING}),
-    _S.CANCELLING: frozenset({_S.CANCELLING, _S.PREEMPTED}),
+    _S.CANCELLING: frozenset({_S.CANCELLING, _S.SUCCEEDED}),  # SUCCEEDED: the stop came after the last step
     _S.PREEMPTED: frozenset({_S.PREEMPTED, _S.STARTING}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
@@ -60,6 +60,9 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 for _state in ACTIVE_STATES:
     TRANSITIONS[_state] |= {_S.QUEUED, _S.FAILED, _S.CANCELLED}
+    # a launched job may be preempted in any live state, its stop handled wherever it lands
+    # (waiting for its placement group, starting, mid-restart, running): never a state with no way out
+    TRANSITIONS[_state] |= {_S.PREEMPTED}
 
 
 # ---- the job record: one declaration, from the coordinator through the store to the wire -------

@@ -10,17 +10,31 @@ import ray
 import torch.nn as nn
 
 from hpservice.actors import NAMESPACE, JobHandle, init_local_ray, start_job, worker_name
+from hpservice.actors._drill import DRILL_ENV
 from hpservice.train import Trainer
 from tests._jobs import ray_job as _spec
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def drill(tmp_path_factory):
+    """The coordinator drill file (actors/_drill.py) every coordinator of this module's cluster
+    reads: absent unless a test writes it."""
+    return tmp_path_factory.mktemp("drill") / "drill"
+
+
+@pytest.fixture(scope="module")
+def cluster(drill):
     # No dashboard: nothing here reads it (the leftovers come from the GCS's own tables), and its
     # processes cost the module ~7 CPU s more (10.5 CPU s with it, 3.9 for the agent without).
+    saved = os.environ.get(DRILL_ENV)
+    os.environ[DRILL_ENV] = str(drill)  # inherited by the raylet, so by every coordinator
     init_local_ray(num_cpus=4, dashboard=False)
     yield
     ray.shutdown()
+    if saved is None:
+        del os.environ[DRILL_ENV]
+    else:
+        os.environ[DRILL_ENV] = saved
 
 
 def _torchrun_equivalent(spec):
@@ -217,6 +231,66 @@ def test_a_config_error_fails_at_once_naming_every_rank(cluster, tmp_path):
     assert re.match(r"the job's spec cannot run \(not retried\): ranks? (0, 1|0|1) raised: ", status["message"]), status
     assert "training.freeze: 'layers.9' matches no parameter" in status["message"]
     _finish(handle)
+
+
+PREEMPTION = "preempted by job urgent-1 (priority 10 > 0)"
+
+
+def test_a_preemption_that_meets_the_last_step_lets_the_job_succeed_and_release_everything(cluster, drill, tmp_path):
+    """The race a serve drill found, forced: the coordinator holds (the drill file) while the job
+    trains its last step; the preemption arrives after it and before the coordinator has seen it.
+    The job SUCCEEDS (a finished job is not resumed), its history says when the stop arrived, and
+    nothing of it is left holding resources. It used to raise RUNNING -> PREEMPTED and stay RUNNING."""
+    spec = _spec(tmp_path, "race", training={"steps": 4}, resources={"workers": 1})
+    drill.write_text("hold")
+    try:
+        handle = start_job(spec)
+        _wait_step(handle, 4)  # reported by the workers while supervision holds
+        handle.stop(graceful=True, deadline_s=60, preempted_by=PREEMPTION)
+    finally:
+        drill.unlink()
+    status = handle.wait(timeout=120)
+    assert status["state"] == "SUCCEEDED", status
+    assert status["message"] == "finished 4 steps; the stop asked meanwhile came after the last step", status
+    assert any(h["message"] == f"stop asked at step 4: {PREEMPTION}" for h in status["history"]), status["history"]
+    _finish(handle)
+
+
+@pytest.mark.parametrize("handler", ["QUEUED", "STARTING", "RUNNING", "CANCELLING"])
+def test_a_coordinator_whose_handler_raises_fails_the_job_saying_why_and_releases_it(cluster, drill, tmp_path, handler):
+    """Any exception out of a state handler ends the job FAILED with the error in its history and
+    the traceback in its log, its workers and placement group released, instead of a job that no
+    one supervises."""
+    spec = _spec(tmp_path, f"raise-{handler.lower()}", training={"steps": 10000}, resources={"workers": 1})
+    drill.write_text(handler)
+    try:
+        handle = start_job(spec)
+        if handler == "CANCELLING":
+            _wait_step(handle, 1)
+            handle.stop(graceful=True, deadline_s=60, preempted_by=PREEMPTION)
+        status = handle.wait(timeout=180)
+    finally:
+        drill.unlink()
+    assert status["state"] == "FAILED", status
+    assert status["message"] == f"the job's supervision failed in {handler}: DrillFault: drill: the {handler} handler raised"
+    assert any("coordinator: supervision raised" in line["line"] for line in handle.logs()), handle.logs()
+    _finish(handle)
+
+
+def test_the_end_of_an_attempt_is_finished_at_the_last_step_whatever_was_asked():
+    from hpservice.actors.failure_policy import AttemptEnd, WorkerPoll, attempt_end
+    from hpservice.jobs import JobState
+
+    def polls(*ranks):
+        return [WorkerPoll(r, step, done, 0.0, None, False) for r, (step, done) in enumerate(ranks)]
+
+    assert attempt_end(polls((4, True), (3, False)), 4) is None  # a rank still trains
+    assert attempt_end(polls((4, True), (4, True)), 4) == AttemptEnd(True, 4)
+    assert attempt_end(polls((2, True), (2, True)), 4) == AttemptEnd(False, 2)  # stopped short
+    # every live state a stop can find a job in leads to PREEMPTED; CANCELLING may still succeed
+    for state in (JobState.QUEUED, JobState.STARTING, JobState.RUNNING, JobState.RESTARTING, JobState.CANCELLING):
+        assert state.can_become(JobState.PREEMPTED), state
+    assert JobState.CANCELLING.can_become(JobState.SUCCEEDED)
 
 
 def test_a_cancel_wins_over_a_preemption_whichever_came_first():
