@@ -74,8 +74,10 @@ def dispatch(func, args: tuple, kwargs: dict):
     self = args[0] if args and isinstance(args[0], DTensor) else None
     if info.mutable and self is not None and (self._copy_of is not None or info.changes_metadata):
         raise _refused_inplace(func, self)
-    if not info.per_element and any(isinstance(a, list | tuple) for a in args):
-        args = tuple(_list_operands(func, a) if isinstance(a, list | tuple) else a for a in args)
+    if not info.per_element:
+        if any(isinstance(a, list | tuple) for a in args):
+            args = tuple(_list_operands(func, a) if isinstance(a, list | tuple) else a for a in args)
+        args = _one_element_replicated(args)
     ops = _flatten(args, info)
     dts = ops.dts
     decision = _propagate(func, ops.frozen, kwargs, dts, info.scalar_free)
@@ -224,6 +226,31 @@ def _freeze(x, scalar_free: bool):
     if scalar_free and isinstance(x, int | float | complex):
         return None
     return x
+
+
+def _is_one_element(x) -> bool:
+    return type(x) is torch.Tensor and x.ndim == 1 and x.numel() == 1
+
+
+def _one_element_replicated(args: tuple) -> tuple:
+    """A plain 1-d tensor of one element among DTensor operands (``torch.tensor([q])``, as
+    torch's own decompositions make) is a replicated value, as torch takes it (with a warning
+    there): wrapped as a Replicate DTensor on the operands' mesh."""
+    if not any(_is_one_element(a) or (isinstance(a, list | tuple) and any(map(_is_one_element, a))) for a in args):
+        return args
+    mesh = next(
+        (x._spec.mesh for a in args for x in (a if isinstance(a, list | tuple) else (a,)) if isinstance(x, DTensor)),
+        None,
+    )
+    if mesh is None:
+        return args
+
+    def wrap(x):
+        if not _is_one_element(x) or x.requires_grad:  # a gradient to it: wrap it yourself (from_local)
+            return x
+        return DTensor(x, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (1,)), requires_grad=False)
+
+    return tuple(type(a)(wrap(x) for x in a) if isinstance(a, list | tuple) else wrap(a) for a in args)
 
 
 def _list_operands(func, items):

@@ -171,8 +171,9 @@ def _check_clear_errors():
     b = distribute_tensor(torch.randn(4, 4), mesh, [Replicate(), Shard(1)])
     c = a + b  # different layouts: each mesh dim keeps the operand's shard (local slices, as torch)
     assert c.placements == (Shard(0), Shard(1)) and torch.equal(c.full_tensor(), a.full_tensor() + b.full_tensor())
-    with pytest.raises(NotImplementedError, match=r"aten.cumprod.default .* no sharding rule yet"):
-        torch.cumprod(a, 0)
+    with pytest.raises(NotImplementedError, match=r"aten.cumprod_.default .* no sharding rule yet \(in place"):
+        a.clone().cumprod_(0)
+    torch.testing.assert_close(torch.cumprod(a, 0).full_tensor(), torch.cumprod(a.full_tensor(), 0))  # gathered
     assert torch.allclose((a @ b).full_tensor(), a.full_tensor() @ b.full_tensor())  # mm has a sharding rule
     with pytest.raises(RuntimeError, match=r"mixes a DTensor with a torch.Tensor of shape \(4, 4\)"):
         a + torch.ones(4, 4)

@@ -127,11 +127,15 @@ def test_reduction_and_broadcast_rules(ranks, world):
 def _check_errors_and_no_mutation():
     mesh = init_device_mesh("cpu", (2,))
     a = distribute_tensor(_randn(4, 5, seed=1), mesh, [Shard(0)])
-    # ops without a rule name themselves (the whole list: docs/dtensor-ops.md)
-    with pytest.raises(NotImplementedError, match=r"aten.cumprod.default on DTensor placements \[\(S\(0\)\)\]"):
-        torch.cumprod(a, 0)
-    with pytest.raises(NotImplementedError, match=r"aten.cummax.default on DTensor placements \[\(S\(0\)\)\]"):
-        torch.cummax(a, 0)
+    # ops without a rule run on whole tensors (torch's replicate strategy): gathered, Replicate
+    for op in (lambda t: torch.cumprod(t, 0), lambda t: torch.cummax(t, 0).values, torch.linalg.matrix_exp):
+        out = op(a if op is not torch.linalg.matrix_exp else a[:, :4])
+        assert out.placements == (Replicate(),)
+        plain = op(a.full_tensor() if op is not torch.linalg.matrix_exp else a.full_tensor()[:, :4])
+        torch.testing.assert_close(out.full_tensor(), plain)
+    # ...except in place (a shard cannot hold the gathered result) and random ops; they name themselves
+    with pytest.raises(NotImplementedError, match=r"aten.cumprod_.default on DTensor placements \[\(S\(0\)\)\].*in place"):
+        a.clone().cumprod_(0)
     torch.testing.assert_close(torch.median(a, 0).values.full_tensor(), torch.median(a.full_tensor(), 0).values)
     # kthvalue and roll have rules now: the sharded dim is gathered, the values are the plain op's
     torch.testing.assert_close(torch.kthvalue(a, 2, 0).values.full_tensor(), torch.kthvalue(a.full_tensor(), 2, 0).values)

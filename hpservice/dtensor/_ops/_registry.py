@@ -134,7 +134,7 @@ def decide(func, args: tuple, kwargs: tuple, mesh_ids: tuple = ()) -> Decision:
     if rule is None:
         if all(s.is_replicated() for s in specs):
             return Decision(tuple(specs), LocalShaped(mesh))
-        raise RuleError("this operator has no sharding rule yet")
+        return _replicated_fallback(func, specs, mesh)
     try:
         decision = rule(func, args, dict(kwargs))
     except (AttributeError, TypeError):
@@ -148,6 +148,20 @@ def decide(func, args: tuple, kwargs: tuple, mesh_ids: tuple = ()) -> Decision:
     if func.is_view:
         decision = _with_view_strides(func, args, kwargs, decision)
     return decision
+
+
+def _replicated_fallback(func, specs: list[DTensorSpec], mesh) -> Decision:
+    """An op without a rule of its own runs on whole tensors, as torch's replicate strategy runs
+    the ops it registers that way (the linear-algebra family, ``cumprod``, ``diag``...): every
+    operand is gathered (a Partial reduced) to Replicate and each rank computes the one result,
+    Replicate. Exact for any deterministic op, at the cost of the gathers. Refused where it would
+    not be: an op that writes an operand (a sharded ``self`` cannot hold a gathered result) or
+    draws random numbers (each rank's draw would be its own, not the DTensor RNG's)."""
+    if func._schema.is_mutable:
+        raise RuleError("this operator has no sharding rule yet (in place: it cannot run on gathered copies)")
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        raise RuleError("this operator has no sharding rule yet (a random op)")
+    return Decision(tuple(_replicated(s) for s in specs), LocalShaped(mesh))
 
 
 def _with_view_strides(func, args: tuple, kwargs: tuple, decision: Decision) -> Decision:
