@@ -888,6 +888,44 @@ def test_nan_reductions_on_sharded_dtensors_equal_the_plain_tensor(ranks):
             torch.testing.assert_close(value, theirs[(placement, name)], equal_nan=True, msg=f"{placement} {name}")
 
 
+# ---- what torch's full op sweep found: uneven shards of one row, keepdim norms, 0-d transposes -------
+
+
+def _check_sweep_findings():
+    """Each was silent or killed a rank under torch's test_dtensor_ops samples: ``squeeze()`` of a
+    Shard(0) tensor whose rank holds one row squeezed that rank's piece (then ``cov`` killed a
+    rank in the gather); ``linalg.norm(x, 2, keepdim=True)`` of a whole 1-D tensor was 0-d;
+    ``transpose(0, 0)`` of a 0-d tensor raised IndexError. Values and shapes: the plain op's."""
+    world = dist.get_world_size()
+    mesh = ours.init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(4)
+    cases = {
+        "squeeze()": (torch.randn(3, 3, generator=g), lambda t: t.squeeze()),
+        "squeeze(0)": (torch.randn(3, 1, 2, generator=g), lambda t: t.squeeze(0)),
+        "squeeze(1)": (torch.randn(3, 1, 2, generator=g), lambda t: t.squeeze(1)),
+        "cov": (torch.randn(3, 2, generator=g), torch.cov),
+        "normalize": (torch.randn(3, 5, generator=g), lambda t: nn.functional.normalize(t, dim=0)),
+        "linalg.norm(keepdim)": (torch.randn(5, generator=g), lambda t: torch.linalg.norm(t, 2, keepdim=True)),
+        "vector_norm(keepdim)": (torch.randn(3, 4, generator=g), lambda t: torch.linalg.vector_norm(t, 1, keepdim=True)),
+        "transpose 0-d": (torch.tensor(2.0), lambda t: t.transpose(0, -1)),
+    }
+    for name, (full, op) in cases.items():
+        want = op(full)
+        for placement in (ours.Replicate(), ours.Shard(0)):
+            if full.ndim == 0 and placement != ours.Replicate():
+                continue
+            got = op(ours.distribute_tensor(full, mesh, [placement])).full_tensor()
+            assert got.shape == want.shape, (name, placement, got.shape, want.shape)
+            torch.testing.assert_close(got, want, msg=f"{name} {placement}")
+    with pytest.raises(IndexError, match="Dimension out of range"):  # torch's error, as torch raises it
+        ours.distribute_tensor(torch.randn(2, 2), mesh, [ours.Shard(0)]).transpose(0, 5)
+    return True
+
+
+def test_ops_torchs_sweep_found_silent_or_crashing_give_the_plain_ops_values(ranks):
+    ranks(2).run(_check_sweep_findings)
+
+
 # ---- distribute_module (torch's documented recipe) --------------------------------------------------------
 
 

@@ -306,8 +306,9 @@ def _vector_norm_rule(func, args, kwargs) -> Decision:
     are reduced first."""
     single = func is aten.linalg_vector_norm.default
     specs = flat_specs(args)
-    if single and (kwargs.get("dim") is not None or (len(args) > 2 and args[2] is not None)):
-        return _vector_norm_dims_rule(args, kwargs)
+    keepdim = bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False))
+    if single and (kwargs.get("dim") is not None or (len(args) > 2 and args[2] is not None) or keepdim):
+        return _vector_norm_dims_rule(args, kwargs)  # keepdim over every dim: shape [1] * ndim, as torch
     if kwargs.get("dtype") is not None or (not single and len(args) > 2 and args[2] is not None):
         raise RuleError("the dtype argument is not supported")
     if not single and len(specs) != len(args[0]):

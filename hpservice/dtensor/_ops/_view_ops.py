@@ -7,6 +7,7 @@ first (correct, slower). Global strides are torch's for the same view (``_regist
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,13 +30,21 @@ def _permute_rule(func, args, kwargs) -> Decision:
     if func is aten.permute.default:
         perm = [d % n for d in args[1]] if n else []
     else:
-        d0, d1 = (0, 1) if func is aten.t.default else (args[1] % max(n, 1), args[2] % max(n, 1))
+        d0, d1 = (0, 1) if func is aten.t.default else (_wrap_dim(args[1], n), _wrap_dim(args[2], n))
         perm = list(range(n))
-        if n >= 2 or func is not aten.t.default:
+        if n >= 2 or (n == 1 and func is not aten.t.default):  # a 0-d tensor transposes to itself
             perm[d0], perm[d1] = perm[d1], perm[d0]
     inverse = {d: i for i, d in enumerate(perm)}
     out = [Shard(inverse[p.dim]) if p.is_shard() else p for p in x.placements]
     return Decision((x,), _spec(x, out, [x.shape[d] for d in perm]))
+
+
+def _wrap_dim(d: int, ndim: int) -> int:
+    """torch's dim wrapping (a 0-d tensor takes dims 0 and -1), and its IndexError beyond it."""
+    bound = max(ndim, 1)
+    if not -bound <= d < bound:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-bound}, {bound - 1}], but got {d})")
+    return d % bound
 
 
 def _resolve_size(shape: tuple[int, ...], size) -> tuple[int, ...]:
@@ -167,7 +176,13 @@ def _squeeze_rule(func, args, kwargs) -> Decision:
             target.append(p)
             out.append(Shard(p.dim - sum(d < p.dim for d in gone)) if p.is_shard() else p)
     shape = tuple(s for d, s in enumerate(x.shape) if d not in gone)
-    return Decision((_spec(x, target, x.shape),), _spec(x, out, shape))
+    # locally, squeeze the dims of global size 1 only: a shard of one row is not a size-1 dim
+    local_fn = functools.partial(_local_squeeze, dims=tuple(sorted(gone)))
+    return Decision((_spec(x, target, x.shape),), _spec(x, out, shape), local_fn=local_fn)
+
+
+def _local_squeeze(func, args, kwargs, *, dims):
+    return aten.squeeze.dims(args[0], list(dims)) if dims else aten.alias.default(args[0])
 
 
 @register(aten.expand.default)
