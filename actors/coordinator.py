@@ -286,10 +286,9 @@ class Coordinator:
             self._preempted_by = preemption_after_stop(self._stop_requested, self._preempted_by, preempted_by)
             self._stop_requested = True
             self._stop_deadline_s = deadline_s if graceful else 0.0
-            state, step = self.state, self._step
-        if state not in COORDINATOR_ENDS:  # when the stop arrived, in the job's history (drills read it)
-            with contextlib.suppress(RuntimeError):  # ended meanwhile: nothing left to stop
-                self._set_state(state, f"stop asked at step {step}: {preempted_by or 'cancel'}")
+            if self.state not in COORDINATOR_ENDS:  # when the stop arrived, in the job's history (drills read it)
+                message = f"stop asked at step {self._step}: {preempted_by or 'cancel'}"
+                self._history.append({"state": self.state, "time": time.time(), "message": message})
 
     def _stopped(self, how: str) -> tuple[JobState, str]:
         """The end of a run that was asked to stop: CANCELLED, or PREEMPTED with its reason."""
