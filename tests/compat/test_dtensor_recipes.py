@@ -926,6 +926,58 @@ def test_ops_torchs_sweep_found_silent_or_crashing_give_the_plain_ops_values(ran
     ranks(2).run(_check_sweep_findings)
 
 
+# ---- chunk / split / unbind / tensor_split of sharded dims ------------------------------------------
+
+
+_SPLITS = {
+    "chunk(3, 0)": lambda x: x.chunk(3, 0), "chunk(2, 1)": lambda x: x.chunk(2, 1), "split(4, 0)": lambda x: x.split(4, 0),
+    "split([2, 3], 1)": lambda x: x.split([2, 3], 1), "unbind(0)": lambda x: x.unbind(0), "unbind(1)": lambda x: x.unbind(1),
+    "tensor_split(3, 1)": lambda x: x.tensor_split(3, 1),
+}  # fmt: skip
+
+
+def _check_splits():
+    """Each piece's placements and values, and the gradient's, through torch's DTensor and ours."""
+    world = dist.get_world_size()
+    full = torch.randn(6, 5, generator=torch.Generator().manual_seed(6))
+    results = []
+    for api, mesh in _both(world):
+        out = {}
+        for placement in (api.Shard(0), api.Shard(1), api.Replicate()):
+            for name, op in _SPLITS.items():
+                x = api.distribute_tensor(full, mesh, [placement]).requires_grad_()
+                key = (_names([placement]), name)
+                try:
+                    parts = op(x)
+                except RuntimeError as e:  # torch refuses unbind along its sharded dim
+                    out[key] = str(e)
+                    continue
+                out[key] = [(_names(q.placements), q.full_tensor().detach()) for q in parts]
+                sum((q * (i + 1)).sum() for i, q in enumerate(parts)).backward()
+                out[key + ("grad",)] = (_names(x.grad.placements), x.grad.full_tensor())
+        results.append(out)
+    return results
+
+
+def test_chunk_split_unbind_of_sharded_dims_are_torchs_and_unbind_along_a_shard_works(ranks):
+    mine, theirs = ranks(2).run(_check_splits)[0]
+    full = torch.randn(6, 5, generator=torch.Generator().manual_seed(6))
+    assert mine.keys() >= theirs.keys()
+    for key, want in theirs.items():
+        got = mine[key]
+        if isinstance(want, str):  # torch: "Attempted to unbind along the sharded dimension"; ours gathers
+            assert "unbind along the sharded dimension" in want, want
+            plain = full.unbind(int(key[1][-2]))
+            assert len(got) == len(plain) and all(torch.equal(g[1], p) for g, p in zip(got, plain, strict=True))
+            continue
+        if key[-1] == "grad":
+            assert got[0] == want[0], key
+            torch.testing.assert_close(got[1], want[1], msg=str(key))
+            continue
+        assert [g[0] for g in got] == [w[0] for w in want], key
+        assert all(torch.equal(g[1], w[1]) for g, w in zip(got, want, strict=True)), key
+
+
 # ---- distribute_module (torch's documented recipe) --------------------------------------------------------
 
 
