@@ -74,11 +74,11 @@ def dispatch(func, args: tuple, kwargs: dict):
     self = args[0] if args and isinstance(args[0], DTensor) else None
     if info.mutable and self is not None and (self._copy_of is not None or info.changes_metadata):
         raise _refused_inplace(func, self)
-    if not info.per_element:
-        if any(isinstance(a, list | tuple) for a in args):
-            args = tuple(_list_operands(func, a) if isinstance(a, list | tuple) else a for a in args)
-        args = _one_element_replicated(args)
+    if not info.per_element and any(isinstance(a, list | tuple) for a in args):
+        args = tuple(_list_operands(func, a) if isinstance(a, list | tuple) else a for a in args)
     ops = _flatten(args, info)
+    if ops.plain is not None and ops.dts and _is_one_element(ops.plain):  # off the path of every other op
+        ops = _flatten(_one_element_replicated(args, ops.dts[0]._spec.mesh), info)
     dts = ops.dts
     decision = _propagate(func, ops.frozen, kwargs, dts, info.scalar_free)
     local_args, moved = _local_operands(func, ops, decision, info)
@@ -229,34 +229,27 @@ def _freeze(x, scalar_free: bool):
 
 
 def _is_one_element(x) -> bool:
-    return type(x) is torch.Tensor and x.ndim == 1 and x.numel() == 1
+    """A plain 1-d tensor of one element (``torch.tensor([q])``, as torch's own decompositions
+    make): torch takes it as a replicated value beside DTensors (with a warning there), and so do
+    we, unless it requires a gradient (wrap it yourself with ``from_local``)."""
+    return type(x) is torch.Tensor and x.ndim == 1 and x.numel() == 1 and not x.requires_grad
 
 
-def _one_element_replicated(args: tuple) -> tuple:
-    """A plain 1-d tensor of one element among DTensor operands (``torch.tensor([q])``, as
-    torch's own decompositions make) is a replicated value, as torch takes it (with a warning
-    there): wrapped as a Replicate DTensor on the operands' mesh."""
-    if not any(_is_one_element(a) or (isinstance(a, list | tuple) and any(map(_is_one_element, a))) for a in args):
-        return args
-    mesh = next(
-        (x._spec.mesh for a in args for x in (a if isinstance(a, list | tuple) else (a,)) if isinstance(x, DTensor)),
-        None,
-    )
-    if mesh is None:
-        return args
+def _replicated_plain(x: torch.Tensor, mesh) -> DTensor:
+    return DTensor(x, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape)), requires_grad=False)
 
-    def wrap(x):
-        if not _is_one_element(x) or x.requires_grad:  # a gradient to it: wrap it yourself (from_local)
-            return x
-        return DTensor(x, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, (1,)), requires_grad=False)
 
-    return tuple(type(a)(wrap(x) for x in a) if isinstance(a, list | tuple) else wrap(a) for a in args)
+def _one_element_replicated(args: tuple, mesh) -> tuple:
+    """``args`` with each top-level one-element plain tensor a Replicate DTensor on ``mesh``
+    (tensor lists: ``_list_operands``)."""
+    return tuple(_replicated_plain(a, mesh) if _is_one_element(a) else a for a in args)
 
 
 def _list_operands(func, items):
     """A tensor-list argument mixing DTensors and plain tensors (``cat``, ``stack``): the plain
-    ones are accepted only when they are all zeros (autograd fills the gradients of unused
-    ``split`` / ``unbind`` outputs with ``torch.zeros``), as Replicate DTensors."""
+    ones are accepted, as Replicate DTensors, when they are all zeros (autograd fills the gradients
+    of unused ``split`` / ``unbind`` outputs with ``torch.zeros``) or one-element 1-d tensors
+    (``_is_one_element``)."""
     has_dtensor = has_plain = False
     for x in items:
         if isinstance(x, DTensor):
@@ -269,9 +262,9 @@ def _list_operands(func, items):
     out = []
     for x in items:
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-            if x.ndim > 0 and x.any():
+            if x.ndim > 0 and x.any() and not _is_one_element(x):
                 raise _mixed(func, [d for d in items if isinstance(d, DTensor)], x, in_list=True)
-            x = DTensor(x, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape)), requires_grad=False)
+            x = _replicated_plain(x, mesh)
         out.append(x)
     return out
 

@@ -926,6 +926,42 @@ def test_ops_torchs_sweep_found_silent_or_crashing_give_the_plain_ops_values(ran
     ranks(2).run(_check_sweep_findings)
 
 
+def _check_one_element_plain_tensors():
+    """A plain 1-d tensor of one element beside DTensors, top-level or in a tensor list, is a
+    replicated value in torch's DTensor and in ours; ``prod`` (whose decomposition makes one)
+    equals the plain op. One that requires a gradient is refused by ours, naming its shape."""
+    import warnings
+
+    world = dist.get_world_size()
+    full = torch.arange(1.0, 7.0).reshape(3, 2)
+    results = []
+    for api, mesh in _both(world):
+        x = api.distribute_tensor(full, mesh, [api.Shard(0)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: "Found a non-scalar tensor with numel=1 and ndim!=0"
+            results.append({
+                "mul": (x * torch.tensor([2.0])).full_tensor(),
+                "add": (torch.tensor([0.5]) + x).full_tensor(),
+                "prod": x.prod().full_tensor(),
+            })  # fmt: skip
+    mine, theirs = results
+    plain = {"mul": full * 2, "add": full + 0.5, "prod": full.prod()}
+    for key, want in plain.items():
+        torch.testing.assert_close(mine[key], want, msg=key)
+        torch.testing.assert_close(mine[key], theirs[key], msg=key)
+    mesh = ours.init_device_mesh("cpu", (world,))
+    x = ours.distribute_tensor(full, mesh, [ours.Shard(0)])
+    joined = torch.cat([x.reshape(-1), torch.tensor([7.0])]).full_tensor()
+    torch.testing.assert_close(joined, torch.arange(1.0, 8.0))
+    with pytest.raises(RuntimeError, match=r"torch.Tensor of shape \(1,\)"):
+        x * torch.tensor([2.0], requires_grad=True)
+    return True
+
+
+def test_a_one_element_plain_tensor_beside_dtensors_is_replicated_as_in_torch(ranks):
+    ranks(2).run(_check_one_element_plain_tensors)
+
+
 # ---- chunk / split / unbind / tensor_split of sharded dims ------------------------------------------
 
 
