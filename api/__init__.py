@@ -21,6 +21,7 @@ from .routes import health, jobs, states
 from .settings import Settings
 from .store import Store
 from .supervisor import Supervisor
+from .validation import ValidationPool
 
 STATIC = Path(__file__).parent / "static"
 
@@ -63,6 +64,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
             supervisor.start()
         yield
         supervisor.stop()
+        validation.shutdown()
         store.close()
 
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -77,6 +79,9 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
     app.state.settings, app.state.store, app.state.supervisor = settings, store, supervisor
     app.state.registry = health.make_registry(store)
     app.state.stream_slots = StreamSlots(settings.max_streams_per_owner)
+    b = settings.bounds
+    validation = ValidationPool(per_owner=b.validations_per_owner, timeout_s=b.validation_timeout_s)
+    app.state.validation = validation
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

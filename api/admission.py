@@ -17,6 +17,14 @@ answers with 422. The rules:
   storage prefix of its own.
 - **Size.** At most ``--max-workers-per-job`` workers, each with at least
   ``--min-cpus-per-worker`` CPUs, for every owner (quotas bound what runs at once; these bound one job).
+  At most ``--max-checkpoints-kept`` checkpoints kept. After the inputs are admitted (and only
+  then: nothing reads a tenant-named file before this module has said the tenant may read it),
+  ``check_admitted`` runs the checks that read the model's config: its layout, its composition,
+  and its size against ``--max-worker-memory`` and ``--max-tensor-elements``.
+- **Storage.** A job's directory may hold ``--max-job-bytes``, and all of an owner's
+  ``--max-owner-bytes``: an owner already past that is refused at submit, and each job runs with
+  the smaller of the two budgets left (``JobSpec.storage_limit_bytes``), which its trainer
+  enforces as it writes.
 - **Inputs.** Checked here by name, and again by each worker on the file it opens
   (``JobSpec.input_roots``, below). ``data.path``, ``data.tokenizer`` and their ``eval.data`` twins must lie under one
   of the operator's data roots
@@ -34,7 +42,7 @@ from importlib import metadata
 from pathlib import Path
 
 from hpservice.models import list_models
-from hpservice.preflight import check_inputs
+from hpservice.preflight import check_composition, check_inputs, check_layout, check_size, raise_if
 from hpservice.spec import JobSpec, SpecError
 
 from .settings import Principal, Settings
@@ -85,6 +93,7 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     if resume not in (None, "latest"):
         resume = _checkpoint_input(resume, principal, home, settings, errors, "checkpoint.resume_from")
     _admit_size(spec, settings, errors)
+    storage = _storage_budget(settings, principal, errors)
     priority, limit = spec.scheduling.priority, settings.quotas.of(principal.owner).priority
     if priority is not None and priority > limit and not principal.admin:
         # a tenant's own priority would let it preempt everyone else's jobs
@@ -110,16 +119,70 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
             "checkpoint": spec.checkpoint.model_copy(update={"dir": checkpoint_dir, "resume_from": resume}),
             "run_id": None,
             "input_roots": input_roots(settings, principal, home),
+            "storage_limit_bytes": storage,
         }
     )
     # The files it reads exist, where this server can see them (the data roots and job directories
     # the API shares with the workers); a root this machine does not have is the workers' to judge.
-    seen = [root for root in map(_real, [*settings.data_roots, settings.jobs_root]) if root.is_dir()]
-    missing = check_inputs(checked, visible=lambda p: any(_within(_real(p), root) for root in seen))
+    missing = check_inputs(checked, visible=lambda p: server_sees(settings, p))
     if missing:
         lines = "\n".join(f"  {path}: {msg}" for path, msg in missing)
         raise SpecError(f"job spec: names inputs that do not exist\n{lines}", missing)
     return checked.with_run(job_id)
+
+
+def server_sees(settings: Settings, path: str | os.PathLike) -> bool:
+    """Whether this server can judge ``path`` itself: it lies under a data root or the jobs
+    directory that exists here (a root only the workers mount is theirs to judge)."""
+    seen = [root for root in map(_real, [*settings.data_roots, settings.jobs_root]) if root.is_dir()]
+    return any(_within(_real(path), root) for root in seen)
+
+
+def worker_memory(settings: Settings, node_memory: int | None) -> int:
+    """What one worker may hold: ``--max-worker-memory``, else the largest node's memory
+    (``node_memory``, from Ray), else this host's."""
+    if settings.bounds.max_worker_memory is not None:
+        return settings.bounds.max_worker_memory
+    if node_memory:
+        return node_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_admitted(spec: JobSpec, settings: Settings, node_memory: int | None = None) -> None:
+    """The checks that read the admitted job's model config (where this server can see it):
+    its layout, its composition and its size (``hpservice.preflight``); one ``SpecError``."""
+    read = spec.model.init_from is None or server_sees(settings, spec.model.init_from)
+    errors = check_layout(spec, read_files=read) + check_composition(spec, read_files=read)
+    if not errors:
+        memory, elements = worker_memory(settings, node_memory), settings.bounds.max_tensor_elements
+        errors = check_size(spec, worker_memory=memory, tensor_elements=elements, read_files=read)
+    raise_if(errors, "job spec")
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (links not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:  # deleted while we looked
+                continue
+            if not os.path.islink(os.path.join(root, name)):
+                total += st.st_blocks * 512 if st.st_blocks else st.st_size
+    return total
+
+
+def _storage_budget(settings: Settings, principal: Principal, errors: list) -> int:
+    """The bytes the new job may write: the per-job bound, or what the owner has left if less."""
+    root = _real(settings.jobs_root)
+    per_job, per_owner = settings.bounds.job_bytes(root), settings.bounds.owner_bytes(root)
+    used = directory_bytes(root / principal.owner) if (root / principal.owner).is_dir() else 0
+    left = per_owner - used
+    if left <= 0:
+        errors.append(("storage", f"owner {principal.owner}'s jobs hold {used} bytes, at or past the {per_owner} "
+                       "bytes this server keeps for one owner (--max-owner-bytes): delete old jobs first"))  # fmt: skip
+    return max(1, min(per_job, left))
 
 
 def input_roots(settings: Settings, principal: Principal, home: Path) -> list[str]:
@@ -138,6 +201,10 @@ def _admit_size(spec: JobSpec, settings: Settings, errors: list) -> None:
     if r.workers > settings.max_workers_per_job:
         errors.append(("resources.workers", f"{r.workers} is more than {settings.max_workers_per_job}, the most "
                        "workers one job may have on this server (the operator's --max-workers-per-job)"))  # fmt: skip
+    keep, most = spec.checkpoint.keep, settings.bounds.max_checkpoints_kept
+    if keep > most:
+        errors.append(("checkpoint.keep", f"{keep} is more than {most}, the most checkpoints a job may keep on this "
+                       "server (--max-checkpoints-kept)"))  # fmt: skip
     if r.cpus_per_worker < settings.min_cpus_per_worker:
         errors.append(("resources.cpus_per_worker", f"{r.cpus_per_worker:g} is less than {settings.min_cpus_per_worker:g}, "
                        "the smallest CPU share per worker on this server (the operator's --min-cpus-per-worker)"))  # fmt: skip

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from hpservice.sizing import MAX_TENSOR_ELEMENTS
 from hpservice.spec import NAME_PATTERN
 
 from .scheduler import EVERYONE, Quota, Quotas
@@ -20,6 +21,76 @@ MAX_WORKERS_PER_JOB = 1024  # the default operator limit on one job's workers (-
 MIN_CPUS_PER_WORKER = 0.1  # the default operator limit on a worker's CPU share: at most 10 workers per core
 LEASE_TTL_S = 10.0  # the supervisor lease: a replica that stopped renewing it (killed) is replaced after this long
 MIN_LEASE_TTL_S = 2.0  # several ticks: a leader slowed for a moment must not lose it
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one job may make this server and its workers pay (``hpservice serve`` options; the
+    table in docs/api.md). Each is checked before the job costs it: at submit, from arithmetic on
+    the spec and its model's config (``hpservice.preflight.check_size``), and while it runs for
+    what only running shows (its directory's bytes: ``hpservice.train``; its log lines: the
+    supervisor)."""
+
+    max_worker_memory: int | None = None
+    """Bytes one worker may hold (its training state's floor, ``hpservice.sizing``); None: the
+    largest node's memory as Ray reports it, else this host's."""
+    max_tensor_elements: int = MAX_TENSOR_ELEMENTS
+    """Elements of the largest single tensor a job's model may have."""
+    max_checkpoints_kept: int = 20
+    """The largest ``checkpoint.keep``."""
+    max_job_bytes: int | None = None
+    """Bytes one job's directory may hold (checkpoints, metrics, exports); None: a quarter of the
+    jobs volume."""
+    max_owner_bytes: int | None = None
+    """Bytes all of one owner's job directories may hold; None: half of the jobs volume."""
+    max_log_lines_per_job: int = 1_000_000
+    """Log lines the store keeps of one job; a job that writes more is stopped, saying so."""
+    validation_timeout_s: float = 30.0
+    """The longest one spec's validation may take (``api/validation.py``)."""
+    validations_per_owner: int = 2
+    """Specs of one owner validated at once."""
+    exports_per_owner: int = 2
+    """Exports of one owner's checkpoints running at once."""
+
+    def __post_init__(self):
+        for name in ("max_tensor_elements", "max_checkpoints_kept", "max_log_lines_per_job", "validations_per_owner", "exports_per_owner"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        for name in ("max_worker_memory", "max_job_bytes", "max_owner_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number of bytes >= 1, got {value!r}")
+        if not 0 < self.validation_timeout_s < float("inf"):
+            raise ValueError(f"--validation-timeout must be a number of seconds > 0, got {self.validation_timeout_s!r}")
+
+    def job_bytes(self, jobs_root: Path) -> int:
+        return self.max_job_bytes if self.max_job_bytes is not None else _volume(jobs_root) // 4
+
+    def owner_bytes(self, jobs_root: Path) -> int:
+        return self.max_owner_bytes if self.max_owner_bytes is not None else _volume(jobs_root) // 2
+
+
+def _volume(path: Path) -> int:
+    """Total bytes of the filesystem ``path`` is on (its nearest existing parent's)."""
+    import shutil
+
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).total
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"64G"``, ``"512M"``, ``"1.5T"`` or a plain number of bytes (binary units, a trailing
+    ``i``/``B`` allowed: ``64GiB``)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"{text!r} is not a size: use a number of bytes or one with K, M, G or T (e.g. 64G)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 @dataclass(frozen=True)
@@ -66,6 +137,8 @@ class Settings:
     )
     # Open event streams (SSE) per owner (api/limits.py): each holds a connection and polls the store
     max_streams_per_owner: int = 64
+    # What one job may cost (memory, tensors, disk, logs, validation, exports): see Bounds
+    bounds: Bounds = field(default_factory=Bounds)
     # Replicas: how long a leader that stopped renewing the supervisor lease (killed) keeps it;
     # a standby takes over after this long
     lease_ttl_s: float = LEASE_TTL_S

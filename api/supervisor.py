@@ -124,6 +124,18 @@ class Supervisor:
             return None
         return cluster_fit(spec, spec.resources.gpus_per_worker(ray.cluster_resources().get("GPU", 0)))
 
+    def node_memory(self) -> int | None:
+        """The largest alive node's memory as Ray reports it (its ``memory`` resource), or None
+        when no cluster is connected: the default of what one worker may hold."""
+        if not ray.is_initialized():
+            return None
+        try:
+            nodes = ray.nodes()
+        except Exception:  # a cluster going away: the caller falls back to this host's memory
+            return None
+        sizes = [int(n.get("Resources", {}).get("memory", 0)) for n in nodes if n.get("Alive")]
+        return max(sizes, default=0) or None
+
     def cancel(self, job: dict) -> None:
         """Cancel ``job`` on whichever replica the request came to: one transition, whatever the
         launch is doing (see the module doc); a launched job's coordinator is asked to stop by

@@ -17,20 +17,58 @@ them for the process (a worker runs one job); every reader of an input goes thro
 
 Where ``/proc/self/fd`` does not exist (macOS), the real path of the name is checked right after
 opening, which narrows the race but does not close it; the service's workers run on Linux.
+
+What an input may cost its reader is bounded here too, once for every reader (the server at
+submit, a worker at start, an export):
+
+- only regular files are read: a file is opened non-blocking and refused unless ``fstat`` says it
+  is a regular file, so a FIFO, a device or a socket named as an input never blocks a thread;
+- ``read_input(path, limit)`` refuses a file past ``limit`` bytes before reading it whole
+  (``MAX_JSON_BYTES`` for configs, ``MAX_TOKENIZER_BYTES`` for a ``tokenizer.json``);
+- ``load_json(text, where)`` refuses JSON nested deeper than ``MAX_JSON_DEPTH`` or holding more
+  than ``MAX_JSON_ITEMS`` values, so what a reader then walks is bounded by structure, not only
+  by bytes. Readers then keep only the keys they use, validated (``models/hf_config.py``).
+
+Each refusal is an ``InputFileError`` (a ``ValueError``) naming the file and the bound.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["InputError", "confine", "input_dir", "open_input", "opened_path"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_ITEMS",
+    "MAX_TOKENIZER_BYTES",
+    "InputError",
+    "InputFileError",
+    "confine",
+    "input_dir",
+    "load_json",
+    "open_input",
+    "opened_path",
+    "read_input",
+]
+
+MAX_JSON_BYTES = 1 << 20  # config.json, generation_config.json, tokenizer_config.json: a few KiB each
+MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json: Llama 3's and Qwen's ~10 MiB, Gemma's ~33 MiB
+MAX_JSON_DEPTH = 32  # a model config nests 3 levels, a tokenizer.json about 6
+MAX_JSON_ITEMS = 4 << 20  # values in one JSON document (a 262k vocabulary with its merges: ~0.8M)
 
 
 class InputError(PermissionError):
     """An input resolved (at open time) to a file outside the roots the job may read."""
+
+
+class InputFileError(ValueError):
+    """An input that is not a regular file, or is past a bound on its size or structure."""
 
 
 _roots: tuple[Path, ...] | None = None  # None: inputs may be anywhere (the user's own machine)
@@ -65,12 +103,23 @@ def _check(fd: int, name: str | os.PathLike, roots: Sequence[Path] | None) -> Pa
 
 def open_fd(path: str | os.PathLike, *, directory: bool = False, within: Sequence[Path] | None = None) -> int:
     """A read-only descriptor of ``path``, refused unless what it opened lies under the process's
-    roots (and under ``within``, when given). The caller closes it."""
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    roots (and under ``within``, when given) and is a regular file (a directory with
+    ``directory``). The caller closes it.
+
+    A file is opened with ``O_NONBLOCK``: opening a FIFO for reading otherwise waits for a writer,
+    forever if none comes. The flag is cleared again once ``fstat`` says it is a regular file."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    flags |= getattr(os, "O_DIRECTORY", 0) if directory else getattr(os, "O_NONBLOCK", 0)
     fd = os.open(path, flags)
     for roots in (_roots, within):
         if roots is not None:
             _check(fd, path, roots)
+    if not directory:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise InputFileError(f"input {os.fspath(path)} is not a regular file (a FIFO, device or socket is never read)")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
 
@@ -81,6 +130,48 @@ def open_input(path: str | os.PathLike, mode: str = "rb", *, within: Sequence[Pa
         raise ValueError(f"inputs are opened read-only ('rb' or 'r'), not {mode!r}")
     fd = open_fd(path, within=within)
     return os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8")
+
+
+def read_input(path: str | os.PathLike, limit: int, *, within: Sequence[Path] | None = None) -> bytes:
+    """The bytes of the input file ``path`` (opened as ``open_input`` does), refused with
+    ``InputFileError`` when it holds more than ``limit`` bytes (before reading it whole)."""
+    fd = open_fd(path, within=within)
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(fd).st_size > limit:
+            raise InputFileError(f"{os.fspath(path)}: larger than {limit} bytes, more than a file of its kind holds")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # a file that grew since fstat
+        raise InputFileError(f"{os.fspath(path)}: larger than {limit} bytes, more than a file of its kind holds")
+    return data
+
+
+def load_json(text: str | bytes, where: str, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS):
+    """``json.loads(text)``, refused with ``InputFileError`` naming ``where`` when it is not JSON,
+    nests deeper than ``max_depth`` or holds more than ``max_items`` values (checked without
+    recursion, so no document can exhaust the stack)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise InputFileError(f"{where}: JSON nested more than {max_depth} levels deep") from None
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError of bytes
+        raise InputFileError(f"{where}: not valid JSON ({e})") from None
+    stack, items = [(value, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        items += 1
+        if items > max_items:
+            raise InputFileError(f"{where}: more than {max_items} JSON values")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > max_depth:
+                    raise InputFileError(f"{where}: JSON nested more than {max_depth} levels deep")
+                stack.append((child, depth + 1))
+            else:
+                items += 1
+    if items > max_items:
+        raise InputFileError(f"{where}: more than {max_items} JSON values")
+    return value
 
 
 def opened_path(f, name: str | os.PathLike) -> str:

@@ -9,8 +9,9 @@ the job is handed over, and each names the field, the value and what would work:
 - ``check_layout``: the parallelism divides ``resources.workers`` (and each elastic size), the
   global batch divides over the data-parallel ranks and gradient accumulation (or the pipeline's
   micro-batches), the pipeline schedule runs with those micro-batches, and a built-in model splits
-  into the pipeline's stages, and expert parallelism divides a built-in model's experts. Knowable anywhere: ``validate``, ``run``, ``submit`` and the API all
-  run it.
+  into the pipeline's stages, and expert parallelism divides a built-in model's experts: arithmetic
+  on the spec and the model's config, nothing built. Knowable anywhere: ``validate``, ``run``,
+  ``submit`` and the API all run it (the API without reading a tenant's file before admission).
 - ``check_model``: a ``package.module:factory`` imports here and builds on the meta device
   (nothing is allocated). For a job run on this machine (``validate``, ``run``); the service has
   its operator's allowlist instead (``api/admission.py``), and the server checks at startup that every
@@ -20,7 +21,10 @@ the job is handed over, and each names the field, the value and what would work:
   the ones under a data root it can see itself (a root it cannot see is the workers' business).
 - ``check_composition``: settings that cannot run together (a factory on synthetic data without
   ``data.vocab_size``; a sliding window shorter than ``seq_len`` under ``cp`` or
-  ``document_mask``).
+  ``document_mask``; a ``seq_len`` longer than the model's positions).
+- ``check_size``: what one worker must hold at the least (``hpservice.sizing``) against what the
+  operator lets a worker hold, and the model's largest tensor against the operator's cap (the
+  service runs it; ``validate`` and ``run`` leave a user's own machine to the user).
 - ``check_devices``: ``resources.use_gpu: true`` on a machine with no CUDA device, for a job whose
   workers run here.
 
@@ -48,9 +52,18 @@ def raise_if(errors: Errors, source: str) -> None:
         raise SpecError(f"{source}: invalid job spec\n{lines}", errors)
 
 
-def check_layout(spec: JobSpec) -> Errors:
+MAX_MICROBATCHES = 4096
+"""Micro-batches per step (``grad_accum``, or ``pp_microbatches x grad_accum``): each is a
+schedule entry every rank holds and a loop iteration; real recipes use tens to a few hundred."""
+
+
+def check_layout(spec: JobSpec, *, read_files: bool = True) -> Errors:
     """The parallelism divides the workers, ``min_workers`` is a size the job can shrink to, and
-    the global batches split evenly over the data-parallel ranks (and training's micro-batches)."""
+    the global batches split evenly over the data-parallel ranks (and training's micro-batches).
+
+    Arithmetic on the spec and the model's config only: nothing is built, and nothing is split
+    per stage. ``read_files``: a ``model.init_from`` config may be read (the service passes False
+    before admission has said the tenant may read that path, and checks again after)."""
     errors: Errors = []
     workers = spec.resources.workers
     try:
@@ -71,6 +84,9 @@ def check_layout(spec: JobSpec) -> Errors:
         errors.append(("resources.min_workers", message))
     p, dp, accum = spec.parallelism, dims.dp_size, spec.training.grad_accum
     micro, micro_name = (p.microbatches(accum), "pipeline micro-batches") if p.pp > 1 else (accum, "grad_accum")
+    if micro > MAX_MICROBATCHES:
+        field = "parallelism.pp_microbatches" if p.pp > 1 and p.pp_microbatches else "training.grad_accum"
+        return errors + [(field, f"{micro} {micro_name} per step, more than {MAX_MICROBATCHES}: use fewer, larger micro-batches")]
     batch = spec.data.global_batch
     if batch % (dp * micro):
         fits = dp * micro
@@ -81,61 +97,77 @@ def check_layout(spec: JobSpec) -> Errors:
             f"{fits} (e.g. {' or '.join(map(str, near))})",
         ))  # fmt: skip
     if p.pp > 1:
-        errors += _pipeline_errors(spec)
+        errors += _pipeline_errors(spec, read_files)
     if p.ep > 1:
-        errors += _expert_errors(spec)
+        errors += _expert_errors(spec, read_files)
     if spec.eval.interval and spec.eval.data is not None and spec.eval.data.global_batch % dp:
         e = spec.eval.data.global_batch
         errors.append(("eval.data.global_batch", f"{e} does not split over {dp} data-parallel ranks: use a multiple of {dp}"))
     return errors
 
 
-def _pipeline_errors(spec: JobSpec) -> Errors:
-    """The schedule runs with the job's micro-batches, and a built-in model splits into its stages
-    (a factory's model is split where it is built: ``check_model``)."""
-    from hpservice.models import build_model, list_models
-    from hpservice.parallel.pipelining import compute_order
+def known_config(spec: JobSpec, read_files: bool = True):
+    """The config of the job's built-in model when it can be known here (a flavor with its
+    overrides; ``init_from``'s config.json with ``read_files``), else None: a factory's is known
+    only once it is built, and a config that does not parse is ``check_inputs``' to report."""
+    from hpservice.models import list_models, model_config
+
+    m = spec.model
+    if (m.name is not None and m.name not in list_models()) or (m.init_from is not None and not read_files):
+        return None
+    try:
+        return model_config(m.name, m.flavor, m.overrides, m.init_from)
+    except Exception:  # an unknown flavor, a broken config.json: check_model / check_inputs say which
+        return None
+
+
+def _pipeline_errors(spec: JobSpec, read_files: bool) -> Errors:
+    """The schedule runs with the job's micro-batches, and a built-in model's blocks split into
+    its stages (counted from the config; a factory's model is split where it is built: ``check_model``)."""
+    from hpservice.parallel.pipelining import check_schedule
 
     p = spec.parallelism
     micro = p.microbatches(spec.training.grad_accum)
     try:
-        compute_order(p.pp_schedule, p.pp, micro, p.pp_virtual_stages)
+        check_schedule(p.pp_schedule, p.pp, micro, p.pp_virtual_stages)
     except ValueError as e:
         return [("parallelism.pp_schedule", f"{e} (parallelism.pp_microbatches x training.grad_accum = {micro})")]
-    m = spec.model
-    if m.name is not None and m.name not in list_models():
-        return []
+    cfg = known_config(spec, read_files)
+    return [] if cfg is None else stage_split_errors(cfg, spec)
+
+
+def stage_split_errors(cfg, spec: JobSpec) -> Errors:
+    """A built-in model of config ``cfg`` splits into ``pp x pp_virtual_stages`` stages (what
+    ``split_model`` and the models' ``keep_stage`` refuse, computed from counts)."""
+    from hpservice.parallel.pipelining import split_layers
+
+    p = spec.parallelism
+    stages = p.pp * p.pp_virtual_stages
     try:
-        model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
-    except Exception:
-        return []
-    return _split_errors(model, spec)
+        split_layers(cfg.n_layers, stages, p.pp_layers_per_stage)
+    except ValueError as e:
+        return [("parallelism.pp", str(e))]
+    if getattr(cfg, "tie_embeddings", False):
+        return [("parallelism.pp", "a model with tie_embeddings cannot be split into pipeline stages: the head and the "
+                 "embedding are one parameter, and they would live on different stages")]  # fmt: skip
+    return []
 
 
-def _expert_errors(spec: JobSpec) -> Errors:
+def _expert_errors(spec: JobSpec, read_files: bool) -> Errors:
     """A built-in model has mixture-of-experts layers whose experts ``parallelism.ep`` divides (a
     factory's model is checked where it is built)."""
-    from hpservice.models import build_model, list_models
-    from hpservice.models.moe import MoE
-
-    m, ep = spec.model, spec.parallelism.ep
-    if m.name is not None and m.name not in list_models():
+    cfg, ep = known_config(spec, read_files), spec.parallelism.ep
+    if cfg is None:
         return []
-    try:
-        model = build_model(m.name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
-    except Exception:
-        return []
-    layers = [x for x in model.modules() if isinstance(x, MoE)]
-    if not layers:
+    if not hasattr(cfg, "num_experts") or cfg.sparse_layers() == 0:
         return [("parallelism.ep", f"{ep}: the model has no mixture-of-experts layers to split (e.g. qwen3_moe has)")]
-    experts = layers[0].num_experts
-    if experts % ep:
-        return [("parallelism.ep", f"{ep} does not divide the model's {experts} experts per layer")]
+    if cfg.num_experts % ep:
+        return [("parallelism.ep", f"{ep} does not divide the model's {cfg.num_experts} experts per layer")]
     return []
 
 
 def _split_errors(model, spec: JobSpec) -> Errors:
-    """The (meta) ``model`` splits into every pp rank's stages."""
+    """The (meta) ``model`` of a factory splits into every pp rank's stages."""
     from hpservice.parallel.pipelining import split_model
 
     p = spec.parallelism
@@ -250,6 +282,8 @@ def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
     except (HFFormatError, KeyError, TypeError, ValueError) as e:
         what = f"config.json has no {e}" if isinstance(e, KeyError) else str(e)
         return [("model.init_from", what)]
+    except Exception as e:  # a tenant's file must never be a 500: whatever it made us trip on, say so
+        return [("model.init_from", f"{raw}/config.json cannot be read as a model config ({type(e).__name__}: {e})")]
     return []
 
 
@@ -273,14 +307,17 @@ def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
                     "config, a factory's is not known before it is built",
                 ))  # fmt: skip
         return errors
-    if spec.model.init_from is not None and not read_files:
+    cfg = known_config(spec, read_files)
+    if cfg is None:
         return errors
-    from hpservice.models import model_config
-
-    try:
-        cfg = model_config(name, spec.model.flavor, spec.model.overrides, spec.model.init_from)
-    except Exception:  # an unknown flavor, a broken config.json: check_model / check_inputs say which
-        return errors
+    max_len = getattr(cfg, "max_seq_len", None)
+    for where, d in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
+        if d is not None and max_len is not None and d.seq_len > max_len:
+            errors.append((
+                f"{where}.seq_len",
+                f"{d.seq_len} is longer than the model's {max_len} positions ({_max_len_field(spec)}); use at most "
+                f"{max_len}",
+            ))  # fmt: skip
     window, seq_len = getattr(cfg, "sliding_window", None), spec.data.seq_len
     if window is not None and window < seq_len:
         for field, on in (("parallelism.cp", spec.parallelism.cp > 1), ("data.document_mask", spec.data.document_mask)):
@@ -291,6 +328,65 @@ def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
                     f"attention with {field} is not built yet; turn {field} off, or train with data.seq_len <= {window}",
                 ))  # fmt: skip
     return errors
+
+
+def _max_len_field(spec: JobSpec) -> str:
+    if "max_seq_len" in spec.model.overrides:
+        return "model.overrides.max_seq_len"
+    return "max_position_embeddings of model.init_from's config.json" if spec.model.init_from else "the flavor's max_seq_len"
+
+
+def _model_fields(spec: JobSpec) -> str:
+    """Where a model's sizes come from, for a refusal to name."""
+    m = spec.model
+    fields = ["model.init_from's config.json" if m.init_from else f"model.flavor {m.flavor or 'tiny'}"]
+    if m.overrides:
+        fields.append(f"model.overrides ({', '.join(sorted(m.overrides))})")
+    return " and ".join(fields)
+
+
+_FLOOR_FIELDS = {  # the component of a memory floor -> the fields that size it
+    "parameters, gradients and optimizer state": "the model's size ({model}) over parallelism (dp_shard, tp, pp)",
+    "the rotary table": "the model's positions (max_seq_len / max_position_embeddings)",
+    "the micro-batch's token ids (inputs and targets, int64)": "data.seq_len x data.global_batch per micro-batch",
+    "the micro-batch's logits": "data.seq_len x data.global_batch per micro-batch, x the vocabulary",
+    "each block's input, kept for the backward": "data.seq_len x data.global_batch per micro-batch, x the model's blocks",
+}
+
+
+def check_size(
+    spec: JobSpec, *, worker_memory: int | None, tensor_elements: int, read_files: bool = True
+) -> Errors:
+    """The job fits what one worker may hold (``worker_memory`` bytes; None: no bound) and no
+    tensor of its model is larger than ``tensor_elements``: floors computed from the config
+    (``hpservice.sizing``), so nothing is allocated to find out."""
+    from hpservice.sizing import largest_tensor, memory_floor
+
+    errors: Errors = []
+    cfg = known_config(spec, read_files)
+    if cfg is not None:
+        what, elements = largest_tensor(cfg)
+        if elements > tensor_elements:
+            errors.append(("model", f"{what} would have {elements:.4g} elements ({_model_fields(spec)}), more than "
+                           f"{tensor_elements:.4g}, the largest tensor this server allows (--max-tensor-elements)"))  # fmt: skip
+    if worker_memory is None:
+        return errors
+    floor = memory_floor(spec, cfg)
+    total = sum(floor.values())
+    if total > worker_memory:
+        top = max(floor, key=floor.get)
+        parts = ", ".join(f"{name} {_gib(n)}" for name, n in sorted(floor.items(), key=lambda kv: -kv[1]) if n)
+        errors.append((
+            "resources",
+            f"each worker would hold at least {_gib(total)} ({parts}), more than the {_gib(worker_memory)} a worker "
+            f"may hold on this server (--max-worker-memory); the most is {top}, set by "
+            f"{_FLOOR_FIELDS[top].format(model=_model_fields(spec))}",
+        ))  # fmt: skip
+    return errors
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**27 else f"{n / 2**20:.3g} MiB"
 
 
 def check_devices(spec: JobSpec) -> Errors:
@@ -306,7 +402,7 @@ def preflight(spec: JobSpec, *, source: str = "job", here: bool = True, devices_
     """Raise ``SpecError`` listing everything that would make ``spec`` fail before it starts.
     ``here``: the job runs on this machine (its model and files are this machine's);
     ``devices_here``: its workers use this machine's devices (default ``here``)."""
-    errors = check_layout(spec) + check_composition(spec, read_files=here)
+    errors = check_layout(spec, read_files=here) + check_composition(spec, read_files=here)
     if here:
         errors += check_model(spec) + check_inputs(spec)
     if here if devices_here is None else devices_here:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from hpservice.jobs import TERMINAL_STATES, JobState
-from hpservice.preflight import check_composition, check_layout, raise_if
+from hpservice.preflight import check_layout, raise_if
 from hpservice.spec import (
     INT64,
     NAME_PATTERN,
@@ -31,7 +31,7 @@ from hpservice.spec import (
     yaml_load,
 )
 
-from ..admission import admit, job_dir
+from ..admission import admit, check_admitted, job_dir
 from ..auth import current_principal
 from ..deps import get_settings, get_store, get_supervisor, visible_job
 from ..errors import APIError
@@ -92,14 +92,31 @@ def _decode(raw: bytes, ctype: str):
     raise APIError(415, f"unsupported content type {ctype!r}; use application/json or application/yaml")
 
 
+def _spec_error(e: SpecError) -> APIError:
+    details = [{"path": path, "message": msg} for path, msg in e.errors]
+    return APIError(422, str(e).splitlines()[0], details)
+
+
 def _validate(data) -> JobSpec:
+    """The spec, parsed, with the layout checks that read no file (before admission has said
+    which files its tenant may read)."""
     try:
         spec = parse_job(data, source="job spec")
-        raise_if(check_layout(spec), "job spec")
+        raise_if(check_layout(spec, read_files=False), "job spec")
         return spec
     except SpecError as e:
-        details = [{"path": path, "message": msg} for path, msg in e.errors]
-        raise APIError(422, str(e).splitlines()[0], details) from None
+        raise _spec_error(e) from None
+
+
+def _admit(spec, principal, job_id, settings, node_memory) -> JobSpec:
+    """Admission (who may read and write what, the operator's bounds), then the checks that read
+    the admitted files (``admission.check_admitted``)."""
+    try:
+        spec = admit(spec, principal, job_id, settings)
+        check_admitted(spec, settings, node_memory)
+        return spec
+    except SpecError as e:
+        raise _spec_error(e) from None
 
 
 def _request_hash(data) -> str:
@@ -119,22 +136,20 @@ async def submit(
     raw = await _read_body(request)
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     data = await asyncio.to_thread(_decode, raw, ctype)
-    spec = await asyncio.to_thread(_validate, data)
-    job, created = await _create(spec, principal, settings, store, supervisor, idempotency_key, _request_hash(data))
+    spec = await request.app.state.validation.run(principal.owner, _validate, data)
+    job, created = await _create(
+        request, spec, principal, settings, store, supervisor, idempotency_key, _request_hash(data)
+    )
     return JSONResponse(_out(settings, job), status_code=201 if created else 200)
 
 
-async def _create(spec, principal, settings, store, supervisor, idempotency_key=None, request_hash=None):
+async def _create(request, spec, principal, settings, store, supervisor, idempotency_key=None, request_hash=None):
     """Admit a validated spec as a new job of ``principal`` and store it: (job, created)."""
     job_id = new_run_id(spec.name)
     submitted = spec.model_dump(mode="json", by_alias=True)
-    try:
-        spec = await asyncio.to_thread(admit, spec, principal, job_id, settings)  # it looks at files
-        # after admission: a factory outside the allowlist is refused as that, not as a data field
-        raise_if(check_composition(spec, read_files=False), "job spec")
-    except SpecError as e:
-        details = [{"path": path, "message": msg} for path, msg in e.errors]
-        raise APIError(422, str(e).splitlines()[0], details) from None
+    node_memory = await asyncio.to_thread(supervisor.node_memory)
+    # it reads files: on the validation pool, within its deadline and the owner's slots
+    spec = await request.app.state.validation.run(principal.owner, _admit, spec, principal, job_id, settings, node_memory)
     why = await asyncio.to_thread(supervisor.infeasible, spec)
     if why is not None:  # it would fail at launch: say so now, and how to make it fit
         raise APIError(422, "job spec: cannot fit the cluster", [{"path": "resources", "message": why}])
@@ -158,6 +173,7 @@ async def _create(spec, principal, settings, store, supervisor, idempotency_key=
 
 @router.post("/{job_id}/resubmit", status_code=201, response_model=JobOut)
 async def resubmit(
+    request: Request,
     job: dict = Depends(visible_job),
     principal: Principal = Depends(current_principal),
     settings: Settings = Depends(get_settings),
@@ -169,8 +185,8 @@ async def resubmit(
     submitted = await asyncio.to_thread(store.submitted_spec, job["id"])
     if submitted is None:
         raise APIError(409, f"job {job['id']} was stored before submitted specs were kept; submit its file again")
-    spec = await asyncio.to_thread(_validate, submitted)
-    new, _ = await _create(spec, principal, settings, store, supervisor)
+    spec = await request.app.state.validation.run(principal.owner, _validate, submitted)
+    new, _ = await _create(request, spec, principal, settings, store, supervisor)
     return JSONResponse(_out(settings, new), status_code=201)
 
 

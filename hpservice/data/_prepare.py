@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpservice.inputs import InputError, open_input
+from hpservice.inputs import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, InputError, load_json, open_input, read_input
 
 from ._files import write_token_file
 
@@ -65,11 +65,11 @@ def val_path(out: str | Path) -> Path:
 
 
 def tokenizer_vocab_size(tokenizer: str | Path) -> int:
-    """The vocabulary of a ``tokenizer.json`` (added tokens included), read confined."""
-    from tokenizers import Tokenizer
+    """The vocabulary of a ``tokenizer.json`` (added tokens included), read confined and bounded
+    (``hpservice.models.hf_text.load_tokenizer``)."""
+    from hpservice.models.hf_text import load_tokenizer
 
-    with open_input(tokenizer) as f:
-        return Tokenizer.from_str(f.read().decode("utf-8")).get_vocab_size(with_added_tokens=True)
+    return load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True)
 
 
 class DataPrepError(ValueError):
@@ -85,10 +85,9 @@ def read_metadata(token_file: str | Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        with open_input(path, "r") as f:
-            return json.loads(f.read())
+        return load_json(read_input(path, MAX_JSON_BYTES), str(path))
     except ValueError as e:
-        raise DataPrepError(f"{path}: not valid JSON ({e})") from None
+        raise DataPrepError(str(e)) from None
 
 
 def _documents(inputs: list[Path], field: str) -> Iterator[str]:
@@ -175,13 +174,12 @@ def prepare_data(
     progress: bool = False,
 ) -> dict:
     """Tokenize ``inputs`` into ``out`` (and its validation split); returns the metadata written."""
-    from tokenizers import Tokenizer
+    from hpservice.models.hf_text import load_tokenizer
 
     tokenizer = Path(tokenizer)
-    try:
-        with open_input(tokenizer) as f:  # read once, confined: the hash below is of what was loaded
-            tokenizer_bytes = f.read()
-        tok = Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
+    try:  # read once, confined and bounded: the hash below is of what was loaded
+        tokenizer_bytes = read_input(tokenizer, MAX_TOKENIZER_BYTES)
+        tok = load_tokenizer(tokenizer, tokenizer_bytes.decode("utf-8"))
     except InputError:
         raise
     except Exception as e:  # tokenizers raises its own exception type for unreadable files

@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 from hpservice.checkpoint._reader import CheckpointReader, dcp_load
-from hpservice.inputs import InputError, open_input, opened_path
+from hpservice.inputs import MAX_JSON_BYTES, InputError, InputFileError, load_json, open_input, opened_path, read_input
 
 from . import config_class, model_class
+from .hf_config import validated_config
 from .hf_text import write_text_files
 from .llama import Llama, LlamaConfig
 
@@ -71,30 +72,30 @@ class HFFormatError(ValueError):
     """A Hugging Face checkpoint we cannot read exactly: the file, the key, what we found."""
 
 
-_MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KiB; a bigger one is not read
-
-
 def _read_config(path: Path) -> dict:
-    """The checkpoint's ``config.json``: opened as an input that must lie in the checkpoint's own
-    directory (a symlink leading elsewhere is refused), and read only up to ``_MAX_CONFIG_BYTES``
-    (the server reads it at submit: a huge file must not stall it)."""
+    """The checkpoint's ``config.json``, parsed: opened as an input that must lie in the
+    checkpoint's own directory (a symlink leading elsewhere is refused), a regular file of at
+    most ``MAX_JSON_BYTES`` whose JSON is bounded in depth and size (the server reads it at
+    submit: no file may stall or exhaust it). Its keys are validated by ``hf_config``."""
     config = Path(path) / "config.json"
     try:
-        with open_input(config, "r", within=[Path(os.path.realpath(path))]) as f:
-            text = f.read(_MAX_CONFIG_BYTES + 1)
-        if len(text) > _MAX_CONFIG_BYTES:
-            raise HFFormatError(f"{config}: larger than {_MAX_CONFIG_BYTES} bytes, not a model config")
-        return json.loads(text)
+        text = read_input(config, MAX_JSON_BYTES, within=[Path(os.path.realpath(path))])
+        raw = load_json(text, str(config))
     except InputError:
         raise
+    except InputFileError as e:
+        raise HFFormatError(f"{e}: not a model config") from None
     except OSError as e:
         raise HFFormatError(f"{config}: cannot read ({e.strerror})") from None
-    except ValueError as e:
-        raise HFFormatError(f"{config}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise HFFormatError(f"{config}: the top level is a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 def _family(cfg: dict, where: Path) -> str:
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise HFFormatError(f"{where}: architectures must be a list of class names, got {type(archs).__name__}")
     for family, (model_type, arch) in FAMILIES.items():
         if arch in archs or (not archs and cfg.get("model_type") == model_type):
             return family
@@ -115,9 +116,10 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
     """Our config for the checkpoint at ``path`` (of ``family``, which must be the checkpoint's
     own; None: whichever it is); ``overrides`` replace fields (e.g. ``max_seq_len`` shorter than
     the checkpoint's)."""
-    cfg = _read_config(Path(path))
     where = Path(path) / "config.json"
-    found = _family(cfg, where)
+    raw = _read_config(Path(path))
+    found = _family(raw, where)
+    cfg = validated_config(raw, where)
     if family is not None and found != family:
         raise HFFormatError(f"{where}: a {found} checkpoint ({FAMILIES[found][1]}), not a {family} one (model.name)")
 
@@ -177,7 +179,16 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
     if found == "deepseek_v3":
         fields.update(_deepseek_fields(cfg, where, refuse))
     fields.update(overrides)
-    return config_class(found)(**fields)
+    try:
+        return config_class(found)(**fields)
+    except (TypeError, ValueError) as e:  # the sizes' own rules (heads divide the width, ...)
+        raise HFFormatError(f"{where}: {e}") from None
+
+
+def _need(cfg: dict, key: str, where: Path):
+    if cfg.get(key) is None:
+        raise HFFormatError(f"{where}: no {key}")
+    return cfg[key]
 
 
 def _deepseek_fields(cfg: dict, where: Path, refuse) -> dict:
@@ -189,18 +200,18 @@ def _deepseek_fields(cfg: dict, where: Path, refuse) -> dict:
     if experts is None:
         raise HFFormatError(f"{where}: no n_routed_experts (or num_local_experts)")
     return {
-        "n_kv_heads": cfg["num_attention_heads"],  # MLA: every head its own keys and values
+        "n_kv_heads": _need(cfg, "num_attention_heads", where),  # MLA: every head its own keys and values
         "attn_head_dim": None,
         "q_lora_rank": cfg.get("q_lora_rank"),
-        "kv_lora_rank": cfg["kv_lora_rank"],
-        "qk_nope_head_dim": cfg["qk_nope_head_dim"],
-        "qk_rope_head_dim": cfg["qk_rope_head_dim"],
-        "v_head_dim": cfg["v_head_dim"],
+        "kv_lora_rank": _need(cfg, "kv_lora_rank", where),
+        "qk_nope_head_dim": _need(cfg, "qk_nope_head_dim", where),
+        "qk_rope_head_dim": _need(cfg, "qk_rope_head_dim", where),
+        "v_head_dim": _need(cfg, "v_head_dim", where),
         "num_experts": experts,
-        "experts_per_token": cfg["num_experts_per_tok"],
-        "moe_hidden_dim": cfg["moe_intermediate_size"],
+        "experts_per_token": _need(cfg, "num_experts_per_tok", where),
+        "moe_hidden_dim": _need(cfg, "moe_intermediate_size", where),
         "n_shared_experts": cfg.get("n_shared_experts") or 0,
-        "first_dense_layers": cfg.get("first_k_dense_replace", 0),
+        "first_dense_layers": cfg.get("first_k_dense_replace") or 0,
         "n_expert_groups": cfg.get("n_group") or 1,
         "n_limited_groups": cfg.get("topk_group") or 1,
         "route_norm": bool(cfg.get("norm_topk_prob", True)),
@@ -213,15 +224,15 @@ def _moe_fields(cfg: dict, where: Path) -> dict:
     dense = list(cfg.get("mlp_only_layers") or [])
     if dense != list(range(len(dense))):
         raise HFFormatError(
-            f"{where}: mlp_only_layers = {dense!r} is not supported: dense layers must be the first ones (0, 1, ...)"
+            f"{where}: mlp_only_layers = {dense[:8]!r}{'...' if len(dense) > 8 else ''} is not supported: dense layers must be the first ones (0, 1, ...)"
         )
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 4's name, 5's
     if experts is None:
         raise HFFormatError(f"{where}: no num_experts (or num_local_experts)")
     return {
         "num_experts": experts,
-        "experts_per_token": cfg["num_experts_per_tok"],
-        "moe_hidden_dim": cfg["moe_intermediate_size"],
+        "experts_per_token": _need(cfg, "num_experts_per_tok", where),
+        "moe_hidden_dim": _need(cfg, "moe_intermediate_size", where),
         "moe_every": cfg.get("decoder_sparse_step", 1),
         "first_dense_layers": len(dense),
         "route_norm": bool(cfg.get("norm_topk_prob", False)),

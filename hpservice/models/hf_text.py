@@ -21,48 +21,66 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpservice.inputs import open_input
+from hpservice.inputs import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, load_json, read_input
 
-__all__ = ["TOKENIZER_FILES", "record_from_hf", "record_from_tokenizer", "stop_ids", "write_text_files"]
+__all__ = ["MAX_VOCAB", "TOKENIZER_FILES", "load_tokenizer", "record_from_hf", "record_from_tokenizer", "stop_ids", "write_text_files"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
-MAX_FILE_BYTES = 64 << 20  # a tokenizer.json is ~10 MB (Llama 3, Qwen); more is not a tokenizer
+MAX_VOCAB = 1 << 21  # tokens in one tokenizer (Gemma 3 has 262,144): more is not a vocabulary
 
 
 def _read_text(path: Path) -> str | None:
+    """A text file of the record, bounded as its kind is (``hpservice.inputs``); None if absent."""
     if not path.is_file():
         return None
-    with open_input(path) as f:
-        data = f.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB")
-    return data.decode("utf-8")
+    limit = MAX_TOKENIZER_BYTES if path.name == "tokenizer.json" else MAX_JSON_BYTES
+    text = read_input(path, limit).decode("utf-8")
+    if limit == MAX_JSON_BYTES:  # bounded in structure too, before it is stored or parsed again
+        load_json(text, str(path))
+    return text
 
 
 def record_from_hf(directory: str | Path) -> dict:
-    """The text record of a Hugging Face checkpoint directory (what it has of it)."""
+    """The text record of a Hugging Face checkpoint directory (what it has of it): of its
+    ``config.json`` and ``generation_config.json`` only the keys generation uses, validated."""
+    from .hf import _read_config
+    from .hf_config import generation_config, validated_config
+
     directory = Path(directory)
-    config = json.loads(_read_text(directory / "config.json") or "{}")
+    config = validated_config(_read_config(directory), directory / "config.json")
     generation = _read_text(directory / "generation_config.json")
     files = {name: text for name in TOKENIZER_FILES if (text := _read_text(directory / name)) is not None}
+    where = directory / "generation_config.json"
     return {
         "config": {k: config[k] for k in CONFIG_KEYS if k in config},
-        "generation_config": json.loads(generation) if generation else None,
+        "generation_config": generation_config(load_json(generation, str(where)), where) if generation else None,
         "files": files,
     }
 
 
-def record_from_tokenizer(path: str | Path) -> dict:
-    """The text record of a model trained from scratch on ``path`` (a ``tokenizer.json``)."""
+def load_tokenizer(path: str | Path, text: str | None = None):
+    """A ``tokenizers`` Tokenizer from the ``tokenizer.json`` at ``path`` (or its ``text``),
+    bounded in bytes (``MAX_TOKENIZER_BYTES``) and vocabulary (``MAX_VOCAB``); its JSON is parsed
+    by ``tokenizers`` itself, whose parser bounds nesting (128 levels)."""
     from tokenizers import Tokenizer
 
+    if text is None:
+        text = read_input(path, MAX_TOKENIZER_BYTES).decode("utf-8")
+    tok = Tokenizer.from_str(text)
+    if tok.get_vocab_size(with_added_tokens=True) > MAX_VOCAB:
+        raise ValueError(f"{path}: a vocabulary of {tok.get_vocab_size(with_added_tokens=True)} tokens, more than {MAX_VOCAB}")
+    return tok
+
+
+def record_from_tokenizer(path: str | Path) -> dict:
+    """The text record of a model trained from scratch on ``path`` (a ``tokenizer.json``)."""
     from hpservice.data import EOS_CANDIDATES
 
     text = _read_text(Path(path))
     if text is None:
         raise ValueError(f"{path}: no such file")
-    tok = Tokenizer.from_str(text)
+    tok = load_tokenizer(path, text)
     eos = [(t, tok.token_to_id(t)) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None]
     added = tok.encode("", add_special_tokens=True).ids
     bos_id = added[0] if len(added) == 1 else None

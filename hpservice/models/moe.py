@@ -110,6 +110,10 @@ class MoEConfig(LlamaConfig):
     def is_sparse(self, layer_id: int) -> bool:
         return layer_id >= self.first_dense_layers
 
+    def sparse_layers(self) -> int:
+        """How many of the ``n_layers`` blocks are mixture-of-experts layers (counted, not listed)."""
+        return max(0, self.n_layers - self.first_dense_layers)
+
     def active_experts(self) -> int:
         """The experts of moe_hidden_dim each token runs through in a sparse layer (DeepSeek adds
         its shared ones)."""

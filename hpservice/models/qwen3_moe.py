@@ -42,6 +42,11 @@ class Qwen3MoeConfig(MoEConfig):
     def is_sparse(self, layer_id: int) -> bool:
         return super().is_sparse(layer_id) and (layer_id + 1) % self.moe_every == 0
 
+    def sparse_layers(self) -> int:
+        # layers i in [first_dense_layers, n_layers) with (i + 1) a multiple of moe_every
+        first = min(self.first_dense_layers, self.n_layers)
+        return self.n_layers // self.moe_every - first // self.moe_every
+
 
 QWEN3_MOE_FLAVORS: dict[str, Qwen3MoeConfig] = {
     # CPU tests and examples: 8 experts, 2 per token, the first layer dense.

@@ -512,6 +512,13 @@ class JobSpec(_Section):
         description="set by the service when it admits a job: the directories its workers may read inputs from "
         "(checked on each file as it is opened); unset (anywhere) under hpservice run; a submitted value is replaced",
     )
+    storage_limit_bytes: int | None = Field(
+        None,
+        ge=1,
+        le=INT64[1],
+        description="set by the service when it admits a job: the most bytes the job's directory may hold (its "
+        "trainer stops the job past it); unset (no bound) under hpservice run; a submitted value is replaced",
+    )
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)

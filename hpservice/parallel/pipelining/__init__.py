@@ -10,7 +10,7 @@ splitting a model into stages by its blocks (``split_model``), which the trainer
 """
 
 from ._actions import Action, ComputationType
-from ._orders import SCHEDULES, compute_order, stage_rank
+from ._orders import SCHEDULES, check_schedule, compute_order, stage_rank
 from ._runtime import (
     PipelineStage,
     Schedule1F1B,
@@ -32,6 +32,7 @@ __all__ = [
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
     "Timeline",
+    "check_schedule",
     "compute_order",
     "simulate",
     "split_layers",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from ._actions import Action, B, F, I, W
 
-__all__ = ["SCHEDULES", "compute_order", "stage_rank"]
+__all__ = ["SCHEDULES", "check_schedule", "compute_order", "stage_rank"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -34,8 +34,9 @@ def stage_rank(stage: int, pp: int) -> int:
     return stage % pp
 
 
-def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> dict[int, list[Action]]:
-    """Each rank's compute actions for one step; raises ``ValueError`` naming what cannot work."""
+def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
+    """``ValueError`` naming what cannot work, when ``schedule`` cannot run with these sizes:
+    arithmetic only (a job's validation runs it; nothing is built)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if pp < 1 or microbatches < 1 or virtual_stages < 1:
@@ -46,6 +47,11 @@ def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int
         raise ValueError(f"{schedule}: micro-batches ({microbatches}) must be >= pp ({pp}) to fill the pipeline")
     if schedule == "interleaved_1f1b" and microbatches % pp:
         raise ValueError(f"interleaved_1f1b: micro-batches ({microbatches}) must be a multiple of pp ({pp})")
+
+
+def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> dict[int, list[Action]]:
+    """Each rank's compute actions for one step; raises ``ValueError`` naming what cannot work."""
+    check_schedule(schedule, pp, microbatches, virtual_stages)
     if schedule == "zero_bubble":
         return _zero_bubble_orders(pp, microbatches)
     build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved}
