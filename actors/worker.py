@@ -70,6 +70,7 @@ class TrainWorker:
         from hpservice.inputs import InputError
         from hpservice.spec import SpecError
         from hpservice.train import Trainer, TrainingError
+        from hpservice.train._storage import StorageLimitError
 
         try:
             self._trainer = Trainer(
@@ -84,10 +85,12 @@ class TrainWorker:
             self._trainer.train()
         except BaseException as e:
             self._error = traceback.format_exc()
-            # Refused while being built from the spec, checkpoints the storage cannot hold, or input
-            # files refused (outside the roots, or crafted): the same spec would fail the same way.
+            # Refused while being built from the spec, checkpoints the storage cannot hold, input
+            # files refused (outside the roots, or crafted), or past the job's storage budget: the
+            # same spec would fail the same way.
             built = self._trainer is not None
-            self._config_error = isinstance(e, CheckpointStorageError | UnsafeCheckpointError | InputError) or (
+            limits = CheckpointStorageError | UnsafeCheckpointError | InputError | StorageLimitError
+            self._config_error = isinstance(e, limits) or (
                 not built and isinstance(e, TrainingError | SpecError)
             )
             self._log(self._error)

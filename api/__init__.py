@@ -16,7 +16,7 @@ from hpservice.actors import connect
 from hpservice.spec import JobSpec
 
 from . import errors
-from .limits import StreamSlots
+from .limits import Exports, StreamSlots
 from .routes import health, jobs, states
 from .settings import Settings
 from .store import Store
@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
     b = settings.bounds
     validation = ValidationPool(per_owner=b.validations_per_owner, timeout_s=b.validation_timeout_s)
     app.state.validation = validation
+    app.state.exports = Exports(b.exports_per_owner)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

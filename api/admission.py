@@ -44,6 +44,7 @@ from pathlib import Path
 from hpservice.models import list_models
 from hpservice.preflight import check_composition, check_inputs, check_layout, check_size, raise_if
 from hpservice.spec import JobSpec, SpecError
+from hpservice.train._storage import directory_bytes
 
 from .settings import Principal, Settings
 
@@ -157,20 +158,6 @@ def check_admitted(spec: JobSpec, settings: Settings, node_memory: int | None = 
         memory, elements = worker_memory(settings, node_memory), settings.bounds.max_tensor_elements
         errors = check_size(spec, worker_memory=memory, tensor_elements=elements, read_files=read)
     raise_if(errors, "job spec")
-
-
-def directory_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (links not followed)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:  # deleted while we looked
-                continue
-            if not os.path.islink(os.path.join(root, name)):
-                total += st.st_blocks * 512 if st.st_blocks else st.st_size
-    return total
 
 
 def _storage_budget(settings: Settings, principal: Principal, errors: list) -> int:

@@ -11,6 +11,8 @@ that trickles in: each holds a socket (and a task) until the process runs out. S
 - ``read_body_within``: a route's body read with a deadline (``BODY_TIMEOUT_S``), 408 past it.
 - ``StreamSlots``: at most ``Settings.max_streams_per_owner`` open event streams per owner
   (429 beyond), so one tenant cannot hold every connection and thread of the server.
+- ``Exports``: one export per output directory at a time (a second request waits for the
+  first's result), at most ``Bounds.exports_per_owner`` per owner (429 beyond).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import APIError
 
-__all__ = ["BODY_TIMEOUT_S", "HEADER_TIMEOUT_S", "BoundedH11Protocol", "StreamSlots", "read_body_within"]
+__all__ = ["BODY_TIMEOUT_S", "HEADER_TIMEOUT_S", "BoundedH11Protocol", "Exports", "StreamSlots", "read_body_within"]
 
 HEADER_TIMEOUT_S = 10.0  # a request line and headers: a few hundred bytes, over any link that can train
 BODY_TIMEOUT_S = 30.0  # a job spec body, at most MAX_BODY (1 MiB)
@@ -124,3 +126,33 @@ class StreamSlots:
     def open_for(self, owner: str) -> int:
         with self._lock:
             return self._open[owner]
+
+
+class Exports:
+    """Exports in flight: one per output directory (a second request for it waits for the first's
+    result: one checkpoint is never written twice at once), at most ``per_owner`` per owner."""
+
+    def __init__(self, per_owner: int):
+        self.per_owner = per_owner
+        self._running: dict[str, asyncio.Future] = {}
+        self._owners: dict[str, int] = {}
+
+    async def run(self, owner: str, key: str, fn) -> dict:
+        running = self._running.get(key)
+        if running is not None:  # the same export: its result (or its error)
+            return await asyncio.shield(running)
+        if self._owners.get(owner, 0) >= self.per_owner:
+            raise APIError(429, f"owner {owner} has {self._owners[owner]} exports running, the most this server runs "
+                           "at once for one owner (--exports-per-owner); wait for one to finish")  # fmt: skip
+        self._owners[owner] = self._owners.get(owner, 0) + 1
+        future = asyncio.ensure_future(asyncio.to_thread(fn))
+        self._running[key] = future
+
+        def done(_):
+            self._running.pop(key, None)
+            self._owners[owner] -= 1
+            if not self._owners[owner]:
+                del self._owners[owner]
+
+        future.add_done_callback(done)
+        return await asyncio.shield(future)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import hashlib
 import json
 import math
@@ -35,7 +36,7 @@ from ..admission import admit, check_admitted, job_dir
 from ..auth import current_principal
 from ..deps import get_settings, get_store, get_supervisor, visible_job
 from ..errors import APIError
-from ..limits import StreamSlots, read_body_within
+from ..limits import Exports, StreamSlots, read_body_within
 from ..schemas import ERRORS, ArtifactList, CheckpointList, ExportOut, JobList, JobOut, LogList, MetricsPage
 from ..settings import Principal, Settings
 from ..store import Store
@@ -339,6 +340,7 @@ async def artifact(name: str, job: dict = Depends(visible_job)):
 
 @router.post("/{job_id}/checkpoints/{step}/export", response_model=ExportOut)
 async def export_checkpoint(
+    request: Request,
     step: int,
     job: dict = Depends(visible_job),
     settings: Settings = Depends(get_settings),
@@ -357,10 +359,19 @@ async def export_checkpoint(
         raise APIError(404, f"job {job_id} has no committed checkpoint of step {step} (it has {steps})")
     home = job_dir(settings, job["owner"], job_id)
     out = home / "exports" / f"{step_dir_name(step)}-hf"
-    try:
-        done = await asyncio.to_thread(export_checkpoint_hf, found[-1]["path"], out)
-    except (HFFormatError, CheckpointError, OSError, ValueError) as e:
-        raise APIError(422, f"checkpoint of step {step} cannot be exported: {e}") from None
+    exports: Exports = request.app.state.exports
+
+    def run() -> dict:
+        try:
+            return export_checkpoint_hf(found[-1]["path"], out)
+        except (HFFormatError, CheckpointError, ValueError) as e:
+            raise APIError(422, f"checkpoint of step {step} cannot be exported: {e}") from None
+        except OSError as e:  # the storage under the job: full, gone, not writable
+            raise APIError(507 if e.errno == errno.ENOSPC else 500, f"export of step {step} failed writing {out}: {e}") from None
+        except Exception as e:  # whatever else: a message, never an uncaught 500
+            raise APIError(500, f"export of step {step} failed: {type(e).__name__}: {e}") from None
+
+    done = await exports.run(job["owner"], str(out), run)
     return {"step": step, "format": format, "path": str(out), "files": done["files"], "tensors": done["tensors"]}
 
 

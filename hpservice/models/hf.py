@@ -26,9 +26,11 @@ are read head by head, from the heads the local rows touch, and reordered.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -575,10 +577,8 @@ def _export_hf(
             size = 0
         groups[-1].append(n)
         size += nbytes
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))  # this export's own
     try:
         files = _write_shards(reader, tmp, groups, ours, cfg)
     except BaseException:
@@ -596,10 +596,32 @@ def _export_hf(
     )
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, text, family), indent=2))
     extras = write_text_files(text, tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    _replace_dir(tmp, out)
     return {"files": [f for f, _ in files] + extras, "tensors": len(weight_map)}
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Put the directory ``new`` at ``out``, replacing what is there: the old one is renamed
+    aside first (under a name of its own), so an export running beside this one never sees a
+    half-deleted directory, and whichever finishes last is the one left."""
+    import shutil
+
+    for _ in range(100):
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
+            with contextlib.suppress(FileNotFoundError):  # another export moved it first
+                out.rename(old / "x")
+        try:
+            new.rename(out)
+        except OSError:  # another export put its own there meanwhile: move that one aside too
+            continue
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        return
+    shutil.rmtree(new, ignore_errors=True)
+    raise OSError(f"{out}: could not be replaced (other exports of it kept replacing it)")
 
 
 def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig) -> list:

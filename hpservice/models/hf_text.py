@@ -107,8 +107,12 @@ def write_text_files(record: dict | None, out: Path) -> list[str]:
     if not record:
         return []
     written = []
-    if record.get("generation_config"):
-        (out / "generation_config.json").write_text(json.dumps(record["generation_config"], indent=2))
+    from .hf_config import generation_config
+
+    # only the keys generation uses, validated: a record written before they were filtered may hold anything
+    generation = generation_config(record.get("generation_config"), Path("generation_config"))
+    if generation:
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
         written.append("generation_config.json")
     for name, text in (record.get("files") or {}).items():
         if name in TOKENIZER_FILES:  # only these names: a record is data, never a path

@@ -70,6 +70,8 @@ from ._grad_norm import clip_grad_norm_
 from ._hold import wait_while_held
 from ._metrics import MetricSink, build_sinks
 from ._profile import StepProfiler
+from ._storage import EVERY_STEPS as STORAGE_EVERY_STEPS
+from ._storage import StorageBudget
 from ._utilisation import Utilisation
 
 log = logging.getLogger("hpservice.train")
@@ -441,6 +443,7 @@ class Trainer:
         if spec.data.kind == "synthetic" and vocab is None:
             raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
         run_dir = Path(spec.run_dir())
+        self.storage = StorageBudget(spec.storage_limit_bytes, [str(run_dir), spec.checkpoint.dir])
         self.eval_data = None
         if spec.eval.interval:
             self.eval_data = self._source(spec.eval.data, vocab, run_dir)
@@ -678,6 +681,8 @@ class Trainer:
                 if interval and (self.step % interval == 0 or self.step == self.spec.training.steps):
                     self.save_checkpoint({k: record[k] for k in ("loss", "val_loss") if k in record})
                     saved_at = self.step
+                if self.rank == 0 and (saved_at == self.step or self.step % STORAGE_EVERY_STEPS == 0):
+                    self.storage.check()
             if self._stopping and self.checkpoints is not None and history and saved_at != self.step:
                 self.save_checkpoint({"loss": history[-1]["loss"]})
             if self.checkpoints is not None:
