@@ -107,12 +107,18 @@ class JobHandle:
         return ray.get(self.coordinator.checkpoints.remote())
 
     def stop(
-        self, graceful: bool = True, deadline_s: float = 60.0, wait: bool = True, preempted_by: str | None = None
+        self,
+        graceful: bool = True,
+        deadline_s: float = 60.0,
+        wait: bool = True,
+        preempted_by: str | None = None,
+        failed_by: str | None = None,
     ) -> None:
         """Ask the coordinator to stop (``preempted_by``: the reason, for a preemption, which ends
-        the run PREEMPTED); ``wait=False`` does not wait for it to take the request (a frozen
-        coordinator must not block the caller)."""
-        ref = self.coordinator.stop.remote(graceful, deadline_s, preempted_by)
+        the run PREEMPTED; ``failed_by``: a bound the job went past, which ends it FAILED);
+        ``wait=False`` does not wait for it to take the request (a frozen coordinator must not
+        block the caller)."""
+        ref = self.coordinator.stop.remote(graceful, deadline_s, preempted_by, failed_by)
         if wait:
             ray.get(ref)
 

@@ -150,6 +150,7 @@ class Coordinator:
         self._stop_requested = False
         self._stop_deadline_s = 60.0
         self._preempted_by: str | None = None  # why the stop was asked, when it is a preemption
+        self._failed_by: str | None = None  # why the stop was asked, when the job went past a server bound
         self._workers: list = []
         self._pg = None
         self._plan: placement.PlacementPlan | None = None
@@ -278,20 +279,31 @@ class Coordinator:
             return list(self._checkpoints)
 
     # ---- control ----------------------------------------------------------------------------
-    def stop(self, graceful: bool = True, deadline_s: float = 60.0, preempted_by: str | None = None) -> None:
+    def stop(
+        self,
+        graceful: bool = True,
+        deadline_s: float = 60.0,
+        preempted_by: str | None = None,
+        failed_by: str | None = None,
+    ) -> None:
         """Cancel: graceful asks the workers to finish the step and checkpoint first. With
         ``preempted_by`` (the reason) the job ends this run PREEMPTED instead, to be resumed from
-        that checkpoint by a later coordinator."""
+        that checkpoint by a later coordinator; with ``failed_by`` (a server bound it went past,
+        e.g. its log volume) it ends FAILED with that reason, which no preemption overrides."""
         with self._lock:
+            self._failed_by = self._failed_by or failed_by
             self._preempted_by = preemption_after_stop(self._stop_requested, self._preempted_by, preempted_by)
             self._stop_requested = True
             self._stop_deadline_s = deadline_s if graceful else 0.0
             if self.state not in COORDINATOR_ENDS:  # when the stop arrived, in the job's history (drills read it)
-                message = f"stop asked at step {self._step}: {preempted_by or 'cancel'}"
+                message = f"stop asked at step {self._step}: {failed_by or preempted_by or 'cancel'}"
                 self._history.append({"state": self.state, "time": time.time(), "message": message})
 
     def _stopped(self, how: str) -> tuple[JobState, str]:
-        """The end of a run that was asked to stop: CANCELLED, or PREEMPTED with its reason."""
+        """The end of a run that was asked to stop: CANCELLED, FAILED past a server bound, or
+        PREEMPTED, with its reason."""
+        if self._failed_by is not None:
+            return JobState.FAILED, f"{self._failed_by}; {how}"
         if self._preempted_by is not None:
             return JobState.PREEMPTED, f"{self._preempted_by}; {how}"
         return JobState.CANCELLED, how
@@ -578,7 +590,8 @@ class Coordinator:
                 if self._stop_sent_at is None:
                     ray.get([w.request_stop.remote() for w in self._workers])
                     self._stop_sent_at = time.time()
-                    why = f"{self._preempted_by}: " if self._preempted_by else ""
+                    why = self._failed_by or self._preempted_by
+                    why = f"{why}: " if why else ""
                     return JobState.CANCELLING, f"{why}finishing the current step and checkpointing"
                 if time.time() - self._stop_sent_at > self._stop_deadline_s:
                     self._kill_workers()

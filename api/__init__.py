@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
         quotas=settings.quotas,
         backfill_bound_s=settings.backfill_bound_s,
         lease_ttl_s=settings.lease_ttl_s,
+        max_log_lines_per_job=settings.bounds.max_log_lines_per_job,
     )
     app.state.settings, app.state.store, app.state.supervisor = settings, store, supervisor
     app.state.registry = health.make_registry(store)

@@ -128,7 +128,7 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     missing = check_inputs(checked, visible=lambda p: server_sees(settings, p))
     if missing:
         lines = "\n".join(f"  {path}: {msg}" for path, msg in missing)
-        raise SpecError(f"job spec: names inputs that do not exist\n{lines}", missing)
+        raise SpecError(f"job spec: names inputs that do not exist or cannot be used\n{lines}", missing)
     return checked.with_run(job_id)
 
 

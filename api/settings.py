@@ -93,6 +93,21 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
+def bounds_from_options(**options) -> Bounds:
+    """``Bounds`` from ``hpservice serve``'s options (sizes as text, e.g. ``64G``); a bad value
+    raises ValueError naming the option."""
+    values = dict(options)
+    for name in ("max_worker_memory", "max_job_bytes", "max_owner_bytes"):
+        if isinstance(values.get(name), str):
+            try:
+                values[name] = parse_bytes(values[name])
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+    if "validation_timeout" in values:
+        values["validation_timeout_s"] = values.pop("validation_timeout")
+    return Bounds(**values)
+
+
 @dataclass(frozen=True)
 class Principal:
     owner: str

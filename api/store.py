@@ -492,6 +492,12 @@ class Store:
                 row.log_seq = max(row.log_seq or 0, *seqs)
             s.commit()
 
+    def log_count(self, job_id: str) -> int:
+        """How many log lines the store holds for the job."""
+        with self.session() as s:
+            q = select(func.count()).select_from(EventRow).where(EventRow.job_id == job_id, EventRow.kind == "log")
+            return s.scalar(q) or 0
+
     def logs(
         self, job_id: str, rank: int | None, tail: int | None, since: int = 0, limit: int | None = None
     ) -> tuple[list[dict], int]:

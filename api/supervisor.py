@@ -83,8 +83,10 @@ class Supervisor:
         quotas: Quotas | None = None,
         backfill_bound_s: float = 600.0,
         lease_ttl_s: float = LEASE_TTL_S,
+        max_log_lines_per_job: int | None = None,
     ):
         self.store = store
+        self.max_log_lines_per_job = max_log_lines_per_job
         self.quotas = quotas or Quotas()
         self.backfill_bound_s = backfill_bound_s
         self.lease_ttl_s = lease_ttl_s
@@ -97,6 +99,8 @@ class Supervisor:
         # job -> the last log line stored by this process: a tick's job rows are read before that
         # tick stores the answers in flight, so their log_seq may be behind
         self._log_cursors: dict[str, int] = {}
+        self._log_counts: dict[str, int] = {}  # job -> log lines stored (counted once per leadership)
+        self._over_log_bound: set[str] = set()  # jobs asked to stop for their log volume
         self._requests: dict[str, _Request] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -164,6 +168,8 @@ class Supervisor:
             self._handles.clear()
         self._requests.clear()
         self._log_cursors.clear()
+        self._log_counts.clear()
+        self._over_log_bound.clear()
         self._preempting.clear()
         self._cancelling.clear()
         self._reasons.clear()
@@ -373,8 +379,8 @@ class Supervisor:
             return
         self.store.add_metrics(job_id, update["records"])
         self._metric_cursors[job_id] = (request.handle, update["cursor"])
-        self.store.add_logs(job_id, lines)
         seqs = [line["seq"] for line in lines if "seq" in line]
+        self.store.add_logs(job_id, self._within_log_bound(job_id, request.handle, lines))
         if seqs:
             self._log_cursors[job_id] = max(self._log_cursors.get(job_id, 0), *seqs)
         status = update["status"]
@@ -390,7 +396,32 @@ class Supervisor:
                 self._handles.pop(job_id, None)
                 self._metric_cursors.pop(job_id, None)
                 self._log_cursors.pop(job_id, None)
+                self._log_counts.pop(job_id, None)
+                self._over_log_bound.discard(job_id)
             request.handle.shutdown()
+
+    def _within_log_bound(self, job_id: str, handle: JobHandle, lines: list[dict]) -> list[dict]:
+        """The lines the job may still store under ``max_log_lines_per_job``; the first time it
+        goes past the bound, its coordinator is asked to stop and the job ends FAILED saying so
+        (the lines past it are dropped: the store's volume is the operator's, not the tenant's)."""
+        bound = self.max_log_lines_per_job
+        if bound is None or not lines:
+            return lines
+        if job_id not in self._log_counts:
+            self._log_counts[job_id] = self.store.log_count(job_id)
+        room = max(0, bound - self._log_counts[job_id])
+        kept = lines[:room]
+        self._log_counts[job_id] += len(kept)
+        if len(kept) < len(lines) and job_id not in self._over_log_bound:
+            why = (
+                f"the job wrote more than {bound} log lines, the most this server stores for one job "
+                "(--max-log-lines-per-job); the lines past it were dropped"
+            )
+            log.warning("job %s: %s; stopping it", job_id, why)
+            handle.stop(graceful=True, deadline_s=60, wait=False, failed_by=why)
+            self._over_log_bound.add(job_id)
+            self.store.set_message(job_id, f"stopping: {why}")
+        return kept
 
     def _check_metrics_complete(self, job_id: str, status: dict) -> dict:
         """A job that trained every step must have every step's metrics stored; where it does not

@@ -273,7 +273,10 @@ def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
     from hpservice.inputs import InputError
     from hpservice.models.hf import HFFormatError, config_from_hf
 
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
+        if config.exists() or config.is_symlink():  # a FIFO, device or directory is never opened
+            return [("model.init_from", f"{raw}: config.json is not a regular file")]
         return [("model.init_from", f"{raw}: no config.json (a Hugging Face checkpoint directory has one)")]
     try:
         config_from_hf(path, family=spec.model.name)

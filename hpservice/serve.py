@@ -38,6 +38,7 @@ def serve(
     max_workers_per_job: int | None = None,
     min_cpus_per_worker: float | None = None,
     jobs_dir: str | None = None,
+    bounds: dict | None = None,
 ) -> int:
     if not ray_address:
         # Our own Ray head runs with Ray's token auth; Ray reads the mode once, at import.
@@ -46,7 +47,7 @@ def serve(
 
     from hpservice.api import Settings, create_app
     from hpservice.api.logs import redact_tokens
-    from hpservice.api.settings import load_quotas, load_tokens
+    from hpservice.api.settings import bounds_from_options, load_quotas, load_tokens
 
     try:
         settings = Settings(host=host, port=port, docs=docs)
@@ -69,6 +70,11 @@ def serve(
             print(f"hpservice serve: --lease-ttl-s must be a number of seconds >= {MIN_LEASE_TTL_S:g}, got {lease_ttl_s:g}", file=sys.stderr)
             return 2
         settings.lease_ttl_s = lease_ttl_s
+    try:
+        settings.bounds = bounds_from_options(**(bounds or {}))
+    except ValueError as e:
+        print(f"hpservice serve: {e}", file=sys.stderr)
+        return 2
     if max_workers_per_job is not None:
         settings.max_workers_per_job = max_workers_per_job
     if min_cpus_per_worker is not None:

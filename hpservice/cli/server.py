@@ -65,6 +65,38 @@ def add_parsers(sub) -> None:
         help="a directory job specs may read input files from (repeatable; also HPSERVICE_DATA_ROOTS); "
         "without one, jobs read no files",
     )
+    bounds = serve.add_argument_group(
+        "what one job may cost", "refused at submit or stopped while running, saying which bound (docs/api.md)"
+    )
+    bounds.add_argument(
+        "--max-worker-memory",
+        default=None,
+        metavar="SIZE",
+        help="bytes one worker's training state may need, e.g. 64G (default: the largest Ray node's memory)",
+    )
+    bounds.add_argument(
+        "--max-tensor-elements", type=int, default=None, help="elements of a model's largest tensor (default 2^33)"
+    )
+    bounds.add_argument("--max-checkpoints-kept", type=int, default=None, help="the largest checkpoint.keep (default 20)")
+    bounds.add_argument(
+        "--max-job-bytes", default=None, metavar="SIZE", help="bytes one job's directory may hold (default: 1/4 of the jobs volume)"
+    )
+    bounds.add_argument(
+        "--max-owner-bytes",
+        default=None,
+        metavar="SIZE",
+        help="bytes one owner's job directories may hold together (default: 1/2 of the jobs volume)",
+    )
+    bounds.add_argument(
+        "--max-log-lines-per-job", type=int, default=None, help="log lines stored of one job; past it the job fails (default 10^6)"
+    )
+    bounds.add_argument(
+        "--validation-timeout", type=float, default=None, metavar="SECONDS", help="the longest one spec's validation may take (default 30)"
+    )
+    bounds.add_argument(
+        "--validations-per-owner", type=int, default=None, help="specs of one owner validated at once (default 2)"
+    )
+    bounds.add_argument("--exports-per-owner", type=int, default=None, help="exports of one owner running at once (default 2)")
     serve.add_argument(
         "--num-cpus", type=int, default=None, help="CPUs the embedded Ray head offers jobs (default: this machine's cores)"
     )
@@ -102,4 +134,18 @@ def _serve(args) -> int:
         jobs_dir=args.jobs_dir,
         max_workers_per_job=args.max_workers_per_job,
         min_cpus_per_worker=args.min_cpus_per_worker,
+        bounds={name: getattr(args, name) for name in BOUND_OPTIONS if getattr(args, name) is not None},
     )
+
+
+BOUND_OPTIONS = (
+    "max_worker_memory",
+    "max_tensor_elements",
+    "max_checkpoints_kept",
+    "max_job_bytes",
+    "max_owner_bytes",
+    "max_log_lines_per_job",
+    "validation_timeout",
+    "validations_per_owner",
+    "exports_per_owner",
+)
