@@ -460,3 +460,20 @@ def test_another_owners_file_is_refused_before_it_is_read(tmp_path, monkeypatch,
             assert leak not in messages, messages
         assert opened == []
         assert os.stat(config).st_atime == 1_000_000
+
+
+# ---- the operator's options -------------------------------------------------------------------
+
+
+def test_serve_takes_each_bound_and_refuses_a_bad_one(capsys):
+    from hpservice.api.settings import bounds_from_options
+    from hpservice.cli import main
+
+    remote = ["serve", "--ray-address", "ray://127.0.0.1:1", "--port", "1"]  # refused before it connects
+    assert main([*remote, "--max-job-bytes", "lots"]) == 2
+    assert "--max-job-bytes: 'lots' is not a size" in capsys.readouterr().err
+    assert main([*remote, "--validations-per-owner", "0"]) == 2
+    assert "--validations-per-owner must be an integer >= 1" in capsys.readouterr().err
+    bounds = bounds_from_options(max_worker_memory="8G", max_owner_bytes="1.5T", validation_timeout=5.0, exports_per_owner=1)
+    assert (bounds.max_worker_memory, bounds.max_owner_bytes) == (8 << 30, int(1.5 * (1 << 40)))
+    assert (bounds.validation_timeout_s, bounds.exports_per_owner, bounds.max_checkpoints_kept) == (5.0, 1, 20)
