@@ -62,7 +62,7 @@ class FakeCoordinator:
         self.lines.append({"seq": n, "rank": 0, "step": self.step, "time": time.time(), "line": f"line {n}"})
         return [line for line in self.lines if line["seq"] > since_seq]
 
-    def stop(self, graceful, deadline_s, preempted_by=None):
+    def stop(self, graceful, deadline_s, preempted_by=None, failed_by=None):
         self.stops += 1
         self.preempted_by = preempted_by
 
