@@ -205,7 +205,7 @@ class ParallelismSpec(_Section):
         "1f1b",
         description="with pp > 1, the order of the micro-batches' forwards and backwards: gpipe (all forwards, then "
         "all backwards), 1f1b, interleaved_1f1b (pp_virtual_stages stages per rank) or zero_bubble (backward split "
-        "into input and weight gradients)",
+        "into input and weight gradients; with pp_virtual_stages > 1, interleaved)",
     )
     pp_microbatches: int | None = Field(
         None,
@@ -214,7 +214,7 @@ class ParallelismSpec(_Section):
         "training.grad_accum); default pp",
     )
     pp_virtual_stages: int = Field(
-        1, ge=1, description="stages per pp rank (interleaved_1f1b only): a shorter pipeline fill and drain"
+        1, ge=1, description="stages per pp rank (interleaved_1f1b or zero_bubble): a shorter pipeline fill and drain"
     )
     pp_layers_per_stage: list[int] | None = Field(
         None,
@@ -277,10 +277,10 @@ class ParallelismSpec(_Section):
             return self
         if self.cp > 1:
             raise ValueError("parallelism.pp > 1 with cp > 1 is not built yet; use one of them")
-        if self.pp_virtual_stages > 1 and self.pp_schedule != "interleaved_1f1b":
+        if self.pp_virtual_stages > 1 and self.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
             raise ValueError(
                 f"parallelism.pp_virtual_stages {self.pp_virtual_stages}: several stages per rank need pp_schedule "
-                f"interleaved_1f1b, not {self.pp_schedule}"
+                f"interleaved_1f1b or zero_bubble, not {self.pp_schedule}"
             )
         stages = self.pp * self.pp_virtual_stages
         counts = self.pp_layers_per_stage

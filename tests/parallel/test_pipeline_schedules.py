@@ -14,6 +14,7 @@ from hpservice.parallel.pipelining import (
 )
 
 F, B, I = ComputationType.FORWARD, ComputationType.FULL_BACKWARD, ComputationType.BACKWARD_INPUT  # noqa: E741
+W = ComputationType.BACKWARD_WEIGHT
 GRID = [(pp, m) for pp in (1, 2, 3, 4) for m in (pp, 2 * pp, 8)]
 
 
@@ -83,3 +84,21 @@ def test_a_schedule_that_cannot_run_is_refused_naming_why():
         compute_order("interleaved_1f1b", 4, 6, 2)
     with pytest.raises(ValueError, match="expected one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"):
         compute_order("looped_bfs", 2, 4)
+
+
+@pytest.mark.parametrize(("pp", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 2), (2, 2, 4)])
+def test_zero_bubble_with_several_stages_per_rank_splits_interleaved_backwards_and_shrinks_its_bubble(pp, m, v):
+    order = compute_order("zero_bubble", pp, m, v)
+    for rank, actions in order.items():
+        assert {a.stage for a in actions} == {rank + k * pp for k in range(v)}
+        per = sorted((a.stage, a.microbatch, a.kind.value) for a in actions)
+        assert per == sorted((s, mb, k) for s in range(rank, pp * v, pp) for mb in range(m) for k in "FIW")
+        for a in actions:  # each weight gradient after its input gradient
+            if a.kind is W:
+                assert actions.index(Action(a.stage, I, a.microbatch)) < actions.index(a)
+    zb = _run("zero_bubble", pp, m, v, {F: 1 / v, I: 1 / v, W: 1 / v})  # raises on a deadlock
+    interleaved = _run("interleaved_1f1b", pp, m, v, {F: 1 / v, B: 2 / v})
+    assert zb.bubble < interleaved.bubble
+    assert all(zb.peak_activations[r] <= interleaved.peak_activations[r] + 1 for r in range(pp))
+    with pytest.raises(ValueError, match=r"zero_bubble with 2 stages per rank: micro-batches \(3\) must be a multiple of pp \(2\)"):
+        compute_order("zero_bubble", 2, 3, 2)

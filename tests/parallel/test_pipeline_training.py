@@ -67,6 +67,7 @@ def _assert_same_run(ours, one) -> None:
         (2, {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4}, {}),
         (2, {"pp": 2, "pp_schedule": "zero_bubble"}, {}),
         (2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, {}),
+        (2, {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}, {}),
         (2, {"pp": 2, "pp_layers_per_stage": [3, 1]}, {"grad_accum": 2, "activation_checkpointing": "full"}),
         (4, {"pp": 4, "pp_microbatches": 4}, {}),
         (4, {"pp": 2, "dp_shard": 2}, {}),
@@ -74,7 +75,7 @@ def _assert_same_run(ours, one) -> None:
         (4, {"pp": 2, "tp": 2}, {}),
         (4, {"pp": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": "zero_bubble"}, {}),
     ],
-    ids=["gpipe", "1f1b-m4", "zero-bubble", "interleaved-v2", "uneven-accum-ac", "pp4", "pp2xfsdp2", "pp2xhsdp2-zb", "pp2xtp2", "pp2xtp2-sp-zb"],
+    ids=["gpipe", "1f1b-m4", "zero-bubble", "interleaved-v2", "zero-bubble-v2", "uneven-accum-ac", "pp4", "pp2xfsdp2", "pp2xhsdp2-zb", "pp2xtp2", "pp2xtp2-sp-zb"],
 )
 def test_training_with_pipeline_parallelism_equals_one_process(ranks, tmp_path, world, parallelism, training):
     one = _one_process(ranks, tmp_path, training={"grad_accum": 2} if training.get("grad_accum") else None)
@@ -158,7 +159,7 @@ def _raises(parallelism, match, **sections):
 def test_the_spec_refuses_pipeline_layouts_that_cannot_work():
     _raises({"pp": 2, "cp": 2}, r"pp > 1 with cp > 1 is not built yet")
     _raises({"pp_microbatches": 4}, r"parallelism\.pp_microbatches needs pp > 1")
-    _raises({"pp": 2, "pp_virtual_stages": 2}, r"several stages per rank need pp_schedule interleaved_1f1b, not 1f1b")
+    _raises({"pp": 2, "pp_virtual_stages": 2}, r"several stages per rank need pp_schedule interleaved_1f1b or zero_bubble, not 1f1b")
     _raises({"pp": 2, "pp_layers_per_stage": [1, 1, 1]}, r"pp_layers_per_stage \[1, 1, 1\]: expected 2 counts")
 
 

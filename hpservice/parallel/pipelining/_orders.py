@@ -17,7 +17,11 @@ micro-batch goes round the ranks ``virtual_stages`` times).
   gradient (``I``, on the critical path: the previous stage waits for it) and the weight gradient
   (``W``, which nobody waits for), list-scheduled so that ``I`` goes first and ``W`` fills what
   would be idle, never holding more micro-batches than 1F1B: at pp 4 and 8 micro-batches (F, I
-  and W one unit each) the step is 30 units to 1F1B's 33, bubble 0.20 to 0.27.
+  and W one unit each) the step is 30 units to 1F1B's 33, bubble 0.20 to 0.27. With
+  ``virtual_stages`` > 1 (torch's ``ScheduleInterleavedZeroBubble`` takes several stages per
+  rank): the interleaved 1F1B order with each backward split, its ``W`` deferred past the next
+  forward (or run at once where an input gradient follows: in the drain, where the rank would wait
+  for the next stage's gradient). The values are those of any other order.
 """
 
 from __future__ import annotations
@@ -41,17 +45,21 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
         raise ValueError(f"pipeline schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if pp < 1 or microbatches < 1 or virtual_stages < 1:
         raise ValueError(f"pp {pp}, micro-batches {microbatches}, virtual stages {virtual_stages}: each must be >= 1")
-    if schedule != "interleaved_1f1b" and virtual_stages != 1:
+    if schedule not in ("interleaved_1f1b", "zero_bubble") and virtual_stages != 1:
         raise ValueError(f"{schedule}: one stage per rank (virtual_stages 1), got {virtual_stages}")
     if schedule in ("1f1b", "zero_bubble", "interleaved_1f1b") and microbatches < pp:
         raise ValueError(f"{schedule}: micro-batches ({microbatches}) must be >= pp ({pp}) to fill the pipeline")
-    if schedule == "interleaved_1f1b" and microbatches % pp:
-        raise ValueError(f"interleaved_1f1b: micro-batches ({microbatches}) must be a multiple of pp ({pp})")
+    interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and virtual_stages > 1)
+    if interleaved and microbatches % pp:
+        what = schedule if schedule == "interleaved_1f1b" else f"{schedule} with {virtual_stages} stages per rank"
+        raise ValueError(f"{what}: micro-batches ({microbatches}) must be a multiple of pp ({pp})")
 
 
 def compute_order(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> dict[int, list[Action]]:
     """Each rank's compute actions for one step; raises ``ValueError`` naming what cannot work."""
     check_schedule(schedule, pp, microbatches, virtual_stages)
+    if schedule == "zero_bubble" and virtual_stages > 1:
+        return {rank: _split_backwards(_interleaved(rank, pp, microbatches, virtual_stages)) for rank in range(pp)}
     if schedule == "zero_bubble":
         return _zero_bubble_orders(pp, microbatches)
     build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved}
@@ -91,6 +99,28 @@ def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
         order += [forward(warmup + k), backward(k)]
     order += [backward(k) for k in range(total - warmup, total)]
     return order
+
+
+def _split_backwards(order: list[Action]) -> list[Action]:
+    """``order`` with each ``B`` split into ``I`` then ``W``, the ``W`` run after the forward
+    that follows (the next stage waits for that forward, nobody for the ``W``), or at once when
+    none follows."""
+    out: list[Action] = []
+    pending: Action | None = None
+    for k, a in enumerate(order):
+        if a.kind is B:
+            out.append(Action(a.stage, I, a.microbatch))
+            w = Action(a.stage, W, a.microbatch)
+            if k + 1 < len(order) and order[k + 1].kind is F:
+                pending = w
+            else:
+                out.append(w)
+        else:
+            out.append(a)
+            if pending is not None:
+                out.append(pending)
+                pending = None
+    return out
 
 
 def _zero_bubble_orders(pp: int, m: int) -> dict[int, list[Action]]:
