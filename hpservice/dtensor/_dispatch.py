@@ -80,6 +80,8 @@ def dispatch(func, args: tuple, kwargs: dict):
     if ops.plain is not None and ops.dts and _is_one_element(ops.plain):  # off the path of every other op
         ops = _flatten(_one_element_replicated(args, ops.dts[0]._spec.mesh), info)
     dts = ops.dts
+    if ops.plain is not None and dts:  # torch checks the mix before any sharding rule: RuntimeError
+        raise _mixed(func, dts, ops.plain)
     decision = _propagate(func, ops.frozen, kwargs, dts, info.scalar_free)
     local_args, moved = _local_operands(func, ops, decision, info)
     for v in kwargs.values():
@@ -116,7 +118,7 @@ class _Operands(NamedTuple):
 def _flatten(args: tuple, info: _OpInfo) -> _Operands:
     """One pass over ``args`` (lists one level deep: ``cat``, ``stack``, foreach ops). Plain
     tensors in the lists of a per-element (foreach) op are checked element by element by its
-    rule; anywhere else a non-scalar plain tensor is refused, after the rule ran."""
+    rule; anywhere else a non-scalar plain tensor is refused, before any rule runs (as torch)."""
     frozen, dts, local, slots, plain = [], [], [], [], None
     for i, a in enumerate(args):
         if isinstance(a, DTensor):

@@ -6,6 +6,14 @@ Same surface as ``torch.distributed.fsdp`` (FSDP2)::
 """
 
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
-__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

@@ -179,6 +179,10 @@ class FSDPState:
             self.training_state = TrainingState.PRE_BACKWARD
             if self.group is not None:
                 self.group.wait_for_unshard()
+                # registered as in forward (torch's pre-backward does the same): a group left
+                # unsharded after backward (set_reshard_after_backward(False)) then needs no
+                # all-gather, nor a relink, in the next forward
+                self.group.use_unsharded()
                 for target in self._backward_targets():
                     with record_function(f"FSDP::backward_prefetch for {target.group.fqn}"):
                         target.group.unshard()

@@ -26,7 +26,7 @@ from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup, ShardState
 from ._fsdp_state import FSDPState
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
 
 class UnshardHandle:
@@ -332,3 +332,23 @@ def _load_full_or_sharded(params: dict[str, FSDPParam], group, module, state_dic
         elif tuple(value.shape) == fp.spec.shape:  # otherwise the module's own shape check reports it
             local = fp.global_to_local(value.detach()).to(fp.sharded_param.device)
             state_dict[key] = DTensor(local, fp.spec)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run fully_shard's pre- and post-forward around it, as
+    ``forward`` does (gather the parameters, then reshard by ``reshard_after_forward``): for a
+    method such as ``generate`` called instead of ``forward``. torch's semantics: a module that is
+    not fully_shard-ed is left alone; a missing method is a ``ValueError``."""
+    if not isinstance(module, FSDPModule):
+        return  # no-op, so one code path serves with and without fully_shard
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        state = self._fsdp_state
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
