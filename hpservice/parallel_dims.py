@@ -45,9 +45,10 @@ if TYPE_CHECKING:
     from hpservice.dtensor import DeviceMesh
     from hpservice.spec import ParallelismSpec
 
-__all__ = ["CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "DP_SHARD_MOD_EP", "EP", "PP", "TP", "ParallelDims"]
+__all__ = ["CP", "DP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "DP_SHARD_MOD_EP", "EP", "PP", "TP", "ParallelDims"]
 
 PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"  # the mesh's dims, outer to inner
+DP = "dp"  # dp_replicate and dp_shard flattened: the ranks whose batches differ
 DP_SHARD_CP = "dp_shard_cp"  # dp_shard and cp flattened: what fully_shard shards over with cp
 _DATA_PARALLEL = (DP_REPLICATE, DP_SHARD)
 EP, DP_SHARD_MOD_EP = "ep", "dp_shard_mod_ep"  # dp_shard split for expert parallelism (expert_mesh)
@@ -164,6 +165,16 @@ class ParallelDims:
             self.world_mesh[sharded].flatten(DP_SHARD_CP)  # once; cached on the mesh
             names = tuple(n for n in names if n not in sharded) + (DP_SHARD_CP,)
         return self.world_mesh[names]
+
+    @property
+    def batch_mesh(self) -> DeviceMesh | None:
+        """The ranks whose batches differ (``dp_replicate x dp_shard``, flattened as ``dp``):
+        what a step's valid labels are counted over. None with one data-parallel rank. Every
+        rank asks for it at the same point (its first use may create a process group)."""
+        if self.dp_size == 1:
+            return None
+        names = tuple(n for n, _ in self.mesh_dims if n in _DATA_PARALLEL)
+        return self.world_mesh[names].flatten(DP) if len(names) > 1 else self.world_mesh[names[0]]
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:

@@ -50,6 +50,7 @@ def _measure(flavor: str, training: dict, batch: int, seq_len: int, steps: int, 
 
     from hpservice.spec import parse_job
     from hpservice.train import Trainer
+    from hpservice.train._loss import cross_entropy_loss
 
     spec = parse_job(
         {
@@ -62,11 +63,11 @@ def _measure(flavor: str, training: dict, batch: int, seq_len: int, steps: int, 
     )
     trainer = Trainer(spec, log_to_stdout=False)
     records = [trainer.train_step() for _ in range(steps + 2)]  # warm-up (and compile) first
-    x, y = trainer.data.batch(0, 0, 1, batch, seq_len)
+    sample = trainer.data(0)
     gc.collect()
     h.malloc_trim()
     before = h.rss_bytes()
-    loss = trainer._loss(trainer.model(x), y)
+    loss = cross_entropy_loss(trainer.model(sample.inputs), sample.labels)
     held = h.rss_bytes() - before
     with h.RssSampler() as sampler:
         loss.backward()

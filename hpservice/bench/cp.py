@@ -36,6 +36,7 @@ def _measure(flavor: str, seq_len: int, cp: int, steps: int, out: str, rotate: s
 
     from hpservice.spec import parse_job
     from hpservice.train import Trainer
+    from hpservice.train._forward import attention, micro_batch_loss
 
     spec = parse_job(
         {
@@ -49,7 +50,8 @@ def _measure(flavor: str, seq_len: int, cp: int, steps: int, out: str, rotate: s
     )
     trainer = Trainer(spec, log_to_stdout=False)
     records = [trainer.train_step() for _ in range(steps + 2)]
-    x, y = trainer.data.batch(0, 0, 1, 1, seq_len)
+    sample = trainer.data(0)
+    trainer.loss.begin(sample, global_tokens=trainer.data.global_tokens, every_label_valid=True)
     seen: set[int] = set()
     held = 0
 
@@ -61,8 +63,9 @@ def _measure(flavor: str, seq_len: int, cp: int, steps: int, out: str, rotate: s
             held += storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer._attention(x):
-        loss = trainer._micro_batch_loss(x, y)
+    dims = trainer.parallel_dims
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attention(sample, dims, rotate):
+        loss = micro_batch_loss(trainer.model, sample, dims, trainer.loss)
     del loss
     trainer.close()
     if dist.is_initialized():

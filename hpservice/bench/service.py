@@ -258,7 +258,8 @@ def _ray_train_loop(config: dict) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     source = build_source("synthetic", vocab_size=model_config(*MODEL).vocab_size, seed=0)
     model_ready = time.time()
-    inputs, targets = source.batch(0, rank, world, GLOBAL_BATCH, SEQ_LEN)
+    sample = source.batch(0, rank, world, GLOBAL_BATCH, SEQ_LEN)
+    inputs, targets = sample.inputs, sample.labels
     logits = model(inputs)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     loss.backward()

@@ -3,10 +3,11 @@
 A source is an endless, seekable stream of training samples. The trainer asks for the batch of
 one step on one data-parallel rank::
 
-    inputs, targets = source.batch(step, dp_rank, dp_size, global_batch, seq_len)
+    batch = source.batch(step, dp_rank, dp_size, global_batch, seq_len)  # a Batch
 
-Each sample is a window of ``seq_len + 1`` tokens; ``inputs`` is its first ``seq_len`` tokens
-and ``targets`` its last ``seq_len`` (the same window shifted by one token).
+Each sample is a window of ``seq_len + 1`` tokens; ``batch.inputs`` is its first ``seq_len``
+tokens and ``batch.labels`` its last ``seq_len`` (the same window shifted by one token): every
+label of these sources counts in the loss (``every_label_valid``).
 
 Why determinism matters: the *global* batch of a step (``global_batch`` samples) is a function
 of the source's seed, the step and the sample shapes only -- never of ``dp_size`` or
@@ -26,6 +27,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
+
+from ._batch import Batch
 
 __all__ = ["TokenSource", "local_batch_size", "seeded_rng"]
 
@@ -98,15 +101,18 @@ class TokenSource(ABC):
     vocab_size: int
     num_tokens: int | None
     seed: int
+    # No label is IGNORE_INDEX: the step's count of valid labels is its token count, known
+    # without asking the other ranks (hpservice.train._loss).
+    every_label_valid: bool = True
 
     def batch(
         self, step: int, dp_rank: int, dp_size: int, global_batch: int, seq_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(inputs, targets)`` of step ``step``: two int64 CPU tensors ``[local_b, seq_len]``.
+    ) -> Batch:
+        """This rank's batch of step ``step``: ``inputs`` and ``labels``, int64 CPU tensors ``[local_b, seq_len]``.
 
         ``local_b = global_batch // dp_size``; rank ``dp_rank`` gets rows
         ``[dp_rank * local_b, (dp_rank + 1) * local_b)`` of the step's global batch, which
-        depends on ``(seed, step, global_batch, seq_len)`` only. ``targets[:, i]`` is the token
+        depends on ``(seed, step, global_batch, seq_len)`` only. ``labels[:, i]`` is the token
         after ``inputs[:, i]``. Raises ValueError when ``global_batch % dp_size != 0``.
         """
         step = check_int("step", step, 0)
@@ -114,7 +120,7 @@ class TokenSource(ABC):
         local_b = local_batch_size(dp_rank, dp_size, global_batch)
         rows = self._rows(step, global_batch, dp_rank * local_b, local_b, seq_len)
         windows = torch.from_numpy(rows)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return Batch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
     @abstractmethod
     def _rows(self, step: int, global_batch: int, first: int, count: int, seq_len: int) -> np.ndarray:

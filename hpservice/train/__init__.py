@@ -1,8 +1,11 @@
 """hpservice.train: the training runtime of a job (also runs alone: torchrun -m hpservice.train job.yaml)."""
 
+from ._distributed import init_distributed, pick_device
 from ._errors import TrainingError
 from ._grad_norm import clip_grad_norm_
-from ._trainer import Trainer, apply_fsdp, apply_tp, init_distributed, lr_lambda
+from ._optimizer import lr_lambda
+from ._parallelize import apply_fsdp, apply_tp
+from ._trainer import Trainer
 
 __all__ = [
     "Trainer",
@@ -12,4 +15,5 @@ __all__ = [
     "clip_grad_norm_",
     "init_distributed",
     "lr_lambda",
+    "pick_device",
 ]

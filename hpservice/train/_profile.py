@@ -29,6 +29,7 @@ class StepProfiler:
         self.last_step = spec.start_step + spec.steps - 1
         self._prof: profile | None = None
         self.written: list[Path] = []
+        self.reported = False  # the trainer has said where the files are
 
     def _stem(self) -> str:
         return f"rank{self.rank}-steps{self.spec.start_step}-{self.last_step}"

@@ -22,7 +22,7 @@ def _one_step_measured(dp_replicate):
     from hpservice.dtensor import DTensor, init_device_mesh
     from hpservice.models.llama import Llama
     from hpservice.spec import parse_job
-    from hpservice.train._trainer import apply_fsdp
+    from hpservice.train import apply_fsdp
 
     cfg = LLAMA_FLAVORS["tiny"]
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hpservice.data import (
+    Batch,
     ByteTokenizer,
     SyntheticTokens,
     TextFile,
@@ -39,8 +40,14 @@ def source(request, tmp_path) -> TokenSource:
     return TextFile(path, seed=7)
 
 
+def pair(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A source's batch as ``(inputs, labels)``; these sources' labels all count."""
+    assert batch.num_valid() == batch.labels.numel() and batch.document_ids is None
+    return batch.inputs, batch.labels
+
+
 def global_batch(src: TokenSource, step: int, dp_size: int, gb: int = 8, seq_len: int = 16):
-    parts = [src.batch(step, r, dp_size, gb, seq_len) for r in range(dp_size)]
+    parts = [pair(src.batch(step, r, dp_size, gb, seq_len)) for r in range(dp_size)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -48,7 +55,7 @@ def global_batch(src: TokenSource, step: int, dp_size: int, gb: int = 8, seq_len
 
 
 def test_shapes_dtypes_and_shift(source):
-    x, y = source.batch(step=3, dp_rank=1, dp_size=2, global_batch=8, seq_len=16)
+    x, y = pair(source.batch(step=3, dp_rank=1, dp_size=2, global_batch=8, seq_len=16))
     assert x.shape == y.shape == (4, 16)
     assert x.dtype == y.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one token
@@ -56,14 +63,14 @@ def test_shapes_dtypes_and_shift(source):
 
 
 def test_deterministic(source, tmp_path):
-    a = source.batch(5, 0, 1, 8, 16)
-    b = source.batch(5, 0, 1, 8, 16)
+    a = pair(source.batch(5, 0, 1, 8, 16))
+    b = pair(source.batch(5, 0, 1, 8, 16))
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     # A fresh object over the same data with the same seed gives the same batch...
     fresh = pickle.loads(pickle.dumps(source))
-    assert all(torch.equal(u, v) for u, v in zip(a, fresh.batch(5, 0, 1, 8, 16)))
+    assert all(torch.equal(u, v) for u, v in zip(a, pair(fresh.batch(5, 0, 1, 8, 16))))
     # ... and other steps give other batches.
-    assert not torch.equal(a[0], source.batch(6, 0, 1, 8, 16)[0])
+    assert not torch.equal(a[0], source.batch(6, 0, 1, 8, 16).inputs)
 
 
 def test_world_size_independent(source):
@@ -75,18 +82,18 @@ def test_world_size_independent(source):
 
 
 def test_resume_sees_the_same_batches(source):
-    straight = [source.batch(s, 1, 2, 8, 16)[0] for s in range(6)]
+    straight = [source.batch(s, 1, 2, 8, 16).inputs for s in range(6)]
     resumed = pickle.loads(pickle.dumps(source))  # e.g. a restarted process
-    assert torch.equal(resumed.batch(4, 1, 2, 8, 16)[0], straight[4])
-    assert torch.equal(resumed.batch(5, 1, 2, 8, 16)[0], straight[5])
+    assert torch.equal(resumed.batch(4, 1, 2, 8, 16).inputs, straight[4])
+    assert torch.equal(resumed.batch(5, 1, 2, 8, 16).inputs, straight[5])
 
 
 def test_seed_changes_the_order(tmp_path):
     path = write_token_file(tmp_path / "t.bin", np.arange(5000))
     a, b = TokenFile(path, seed=0), TokenFile(path, seed=1)
-    assert not torch.equal(a.batch(0, 0, 1, 8, 16)[0], b.batch(0, 0, 1, 8, 16)[0])
+    assert not torch.equal(a.batch(0, 0, 1, 8, 16).inputs, b.batch(0, 0, 1, 8, 16).inputs)
     assert not torch.equal(
-        SyntheticTokens(50, seed=0).batch(0, 0, 1, 8, 16)[0], SyntheticTokens(50, seed=1).batch(0, 0, 1, 8, 16)[0]
+        SyntheticTokens(50, seed=0).batch(0, 0, 1, 8, 16).inputs, SyntheticTokens(50, seed=1).batch(0, 0, 1, 8, 16).inputs
     )
 
 
@@ -108,7 +115,7 @@ def test_batch_argument_errors(source):
 
 def test_synthetic_tokens_in_range_and_follow_the_chain():
     src = SyntheticTokens(vocab_size=10, seed=3, branching=3)
-    x, y = src.batch(0, 0, 1, 16, 64)
+    x, y = pair(src.batch(0, 0, 1, 16, 64))
     assert x.min() >= 0 and x.max() < 10 and y.max() < 10
     allowed = {(a, b) for a in range(10) for b in src.successors[a]}
     assert all((int(a), int(b)) in allowed for a, b in zip(x.flatten(), y.flatten()))
@@ -136,7 +143,7 @@ def test_synthetic_is_learnable():
     try:
         losses = []
         for step in range(100):
-            x, y = src.batch(step, 0, 1, 16, 32)
+            x, y = pair(src.batch(step, 0, 1, 16, 32))
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             opt.zero_grad()
             loss.backward()
@@ -160,7 +167,7 @@ def test_token_file_round_trip(tmp_path, name, dtype, base):
     assert src.dtype == np.dtype(dtype) and src.num_tokens == 1000
     assert src.vocab_size == base + 1000  # max id + 1
     assert np.array_equal(src.tokens, tokens)
-    x, y = src.batch(0, 0, 1, 8, 32)
+    x, y = pair(src.batch(0, 0, 1, 8, 32))
     # Every window is a contiguous run of the file: consecutive ids here.
     assert torch.equal(x - x[:, :1], torch.arange(32).expand(8, 32))
     assert torch.equal(y, x + 1)
@@ -182,9 +189,9 @@ def test_token_file_explicit_dtype_and_vocab(tmp_path):
 def test_token_file_windows_cover_all_starts(tmp_path):
     path = write_token_file(tmp_path / "t.bin", np.arange(10))
     src = TokenFile(path)
-    starts = {int(src.batch(s, 0, 1, 4, 8)[0][r, 0]) for s in range(20) for r in range(4)}
+    starts = {int(src.batch(s, 0, 1, 4, 8).inputs[r, 0]) for s in range(20) for r in range(4)}
     assert starts == {0, 1}  # 10 tokens, windows of 9: starts 0 and 1 only
-    x, y = src.batch(0, 0, 1, 2, 9)  # exactly one valid window
+    x, y = pair(src.batch(0, 0, 1, 2, 9))  # exactly one valid window
     assert torch.equal(x[0], torch.arange(9)) and torch.equal(y[0], torch.arange(1, 10))
 
 
@@ -252,7 +259,7 @@ def test_text_file_windows_are_the_file_bytes(tmp_path):
     data = TEXT.encode("utf-8")
     src = TextFile(path, seed=1)
     assert src.vocab_size == 256 and src.num_tokens == len(data)
-    x, y = src.batch(2, 0, 1, 8, 40)
+    x, y = pair(src.batch(2, 0, 1, 8, 40))
     for row_x, row_y in zip(x, y):
         window = bytes(row_x.tolist()) + bytes(row_y[-1:].tolist())
         assert window in data

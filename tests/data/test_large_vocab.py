@@ -105,7 +105,7 @@ def _train_and_checkpoint(spec):
 
     trainer = Trainer(spec, log_to_stdout=False)
     trainer.train()
-    return trainer.checkpoints.latest()["path"]
+    return trainer.checkpoints.manager.latest()["path"]
 
 
 def test_an_export_carries_the_tokenizer_and_transformers_generates_what_we_generate(ranks, tmp_path):

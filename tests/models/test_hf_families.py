@@ -279,7 +279,8 @@ def test_expert_parallel_job_starts_from_the_imported_weights(ranks, tmp_path, f
     hf_dir = tmp_path / "hf"
     _hf_checkpoint(hf_dir, family)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    inputs, targets = build_source("synthetic", vocab_size=100, seed=0).batch(0, 0, 1, 8, 32)
+    sample = build_source("synthetic", vocab_size=100, seed=0).batch(0, 0, 1, 8, 32)
+    inputs, targets = sample.inputs, sample.labels
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
     spec = tiny_llama_job(

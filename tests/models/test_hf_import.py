@@ -176,7 +176,8 @@ def test_a_job_starts_from_the_imported_weights(ranks, tmp_path, world, parallel
     hf_dir = tmp_path / "hf"
     _hf_checkpoint(hf_dir, heads=4, kv_heads=2)  # head counts a tp degree of 2 divides
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
-    inputs, targets = build_source("synthetic", vocab_size=100, seed=0).batch(0, 0, 1, 8, 32)
+    sample = build_source("synthetic", vocab_size=100, seed=0).batch(0, 0, 1, 8, 32)
+    inputs, targets = sample.inputs, sample.labels
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
     spec = tiny_llama_job(

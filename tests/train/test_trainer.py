@@ -470,7 +470,7 @@ def test_fsdp_profiler_ranges_carry_torch_fsdp2s_names(ranks):
 def test_the_device_follows_the_one_gpu_rule(tmp_path, monkeypatch, use_gpu, gpus, local_world, expected):
     """``use_gpu: auto`` under torchrun: a GPU per rank only when this node has one for every rank
     (``ResourcesSpec.gpus_per_worker``, the rule the coordinator applies under Ray)."""
-    from hpservice.train._trainer import pick_device
+    from hpservice.train import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
@@ -482,7 +482,7 @@ def test_the_device_follows_the_one_gpu_rule(tmp_path, monkeypatch, use_gpu, gpu
 
 
 def test_use_gpu_true_without_a_gpu_is_refused(tmp_path, monkeypatch):
-    from hpservice.train._trainer import pick_device
+    from hpservice.train import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     spec = _spec(tmp_path).model_copy(update={"resources": _spec(tmp_path).resources.model_copy(update={"use_gpu": True})})

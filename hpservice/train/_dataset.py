@@ -1,0 +1,129 @@
+"""The trainer's data: a source per data section (``build_dataset``) and this rank's batch of a step.
+
+``build_dataset`` is where a data kind becomes a ``TokenSource``; a new kind is a source in
+``hpservice.data`` and a branch here. ``RankBatches`` asks the source for this data-parallel
+rank's rows of a step and adds what the job's attention needs (document ids from the end-of-text
+tokens under ``data.document_mask``), so the loop sees one ``Batch``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpservice.data import Batch, TokenSource, build_source
+from hpservice.inputs import open_input
+from hpservice.parallel.context_parallel import document_ids_from_eos
+
+from ._errors import TrainingError
+
+__all__ = ["RankBatches", "build_dataset"]
+
+
+def _file_key(path: str, tokenizer: str) -> str:
+    """Names a tokenized copy: the text file's size and mtime and the tokenizer's bytes."""
+    st = Path(path).stat()
+    h = hashlib.sha256(f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    with open_input(tokenizer) as f:
+        h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+def _check_token_metadata(path: str, vocab: int | None) -> None:
+    """A token file from ``hpservice prepare-data`` carries its tokenizer's vocabulary and dtype:
+    refuse one the model cannot embed, or one whose dtype differs from what the reader infers."""
+    from hpservice.data import read_metadata, resolve_token_dtype
+
+    meta = read_metadata(path)
+    if meta is None:
+        return
+    if vocab is not None and meta["vocab_size"] > vocab:
+        raise TrainingError(
+            f"data.path {path}: tokenized with a vocabulary of {meta['vocab_size']} ({meta.get('tokenizer')}), "
+            f"larger than the model's {vocab}"
+        )
+    if resolve_token_dtype(path).name != meta["dtype"]:
+        raise TrainingError(
+            f"data.path {path}: holds {meta['dtype']} tokens but would be read as {resolve_token_dtype(path).name}"
+        )
+
+
+def _tokenized_text(d, vocab: int | None, run_dir: Path, rank: int, world: int) -> TokenSource:
+    """Text with a ``tokenizer``: rank 0 tokenizes it once into a token file in the run's
+    directory (``prepare-data``'s format; reused by restarts of the run) while the others wait,
+    then every rank reads that file."""
+    from hpservice.data import prepare_data, token_file_suffix, tokenizer_vocab_size
+
+    for what, path in (("data.path", d.path), ("data.tokenizer", d.tokenizer)):
+        if not Path(path).is_file():  # every rank sees it: they all stop with this reason
+            raise TrainingError(f"{what}: {path}: no such file")
+    try:  # every rank reads it: they all stop with the same reason
+        suffix = token_file_suffix(tokenizer_vocab_size(d.tokenizer))  # uint32 files past 65,536 tokens
+    except Exception as e:  # tokenizers raises its own exception type
+        raise TrainingError(f"data.tokenizer: {d.tokenizer}: cannot load a tokenizers tokenizer.json ({e})") from e
+    cache = run_dir / "data" / f"{Path(d.path).name}.{_file_key(d.path, d.tokenizer)}{suffix}"
+    failure = [None]  # rank 0's error, if any, so every rank stops with it (no rank waits forever)
+    if rank == 0 and not cache.exists():
+        try:
+            prepare_data([d.path], cache, d.tokenizer)
+        except (ValueError, OSError) as e:
+            failure = [str(e)]
+    if world > 1:
+        dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise TrainingError(f"data.tokenizer: {failure[0]}")
+    _check_token_metadata(str(cache), vocab)
+    return build_source("tokens", path=cache, vocab_size=vocab, seed=d.seed)
+
+
+def build_dataset(d, vocab: int | None, run_dir: Path, *, rank: int, world: int) -> TokenSource:
+    """The source of a data section (``data`` or ``eval.data``) by its kind."""
+    if d.kind == "text" and d.tokenizer is not None:
+        return _tokenized_text(d, vocab, run_dir, rank, world)
+    if d.kind == "tokens":
+        _check_token_metadata(d.path, vocab)
+    return build_source(d.kind, path=d.path, vocab_size=vocab if d.kind != "text" else None, seed=d.seed)
+
+
+def document_eos(d, source: TokenSource) -> int:
+    """The token that ends a document (``data.document_mask``): ``data.eos_id``, else the one
+    prepare-data recorded beside the token file (the run's own token cache for text)."""
+    if d.eos_id is not None:
+        return d.eos_id
+    from hpservice.data import read_metadata
+
+    path = getattr(source, "path", None)
+    meta = read_metadata(str(path)) if path is not None else None
+    if not meta or meta.get("eos_id") is None:
+        raise TrainingError(
+            f"data.document_mask: {path} records no end-of-text token (not written by hpservice prepare-data?); "
+            "set data.eos_id"
+        )
+    return int(meta["eos_id"])
+
+
+class RankBatches:
+    """This data-parallel rank's batches of a data section, on the rank's device; with
+    ``eos_id`` (``data.document_mask``, for training and validation alike), with the document
+    ids its end-of-text tokens mark."""
+
+    def __init__(self, source: TokenSource, d, *, dp_rank: int, dp_size: int, device: torch.device, eos_id=None):
+        self.source, self.global_batch, self.seq_len = source, d.global_batch, d.seq_len
+        self.dp_rank, self.dp_size, self.device, self.eos_id = dp_rank, dp_size, device, eos_id
+
+    @property
+    def global_tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def every_label_valid(self) -> bool:
+        return self.source.every_label_valid
+
+    def __call__(self, step: int) -> Batch:
+        batch = self.source.batch(step, self.dp_rank, self.dp_size, self.global_batch, self.seq_len)
+        if self.eos_id is not None and batch.document_ids is None:
+            batch = Batch(batch.inputs, batch.labels, document_ids_from_eos(batch.inputs, self.eos_id), batch.positions)
+        return batch.to(self.device)

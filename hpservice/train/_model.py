@@ -1,0 +1,126 @@
+"""The trainer's model: the whole model on the meta device, this rank's parts of it laid out and
+filled, and what the run records of it (its family and config, its tokenizer files, its FLOPs).
+
+The full model never exists on one rank: it is built on the meta device, split into this rank's
+pipeline stages, each laid out (``_parallelize``), then each rank allocates and fills only its own
+pieces, from ``model.init_from`` or the seed (``_init_weights``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+
+import torch
+import torch.nn as nn
+
+from hpservice.models import (
+    HF_FAMILIES,
+    build_model,
+    flops_per_token,
+    list_models,
+    model_config,
+    num_params,
+    resolve_name,
+)
+from hpservice.models.hf import load_hf_weights
+from hpservice.parallel import ParallelDims
+from hpservice.spec import JobSpec
+
+from ._errors import TrainingError
+from ._init_weights import init_weights
+from ._optimizer import freeze
+from ._parallelize import parallelize
+from ._pipeline import apply_pp, build_pipeline_schedule
+from ._utilisation import Utilisation
+
+__all__ = ["ModelFacts", "build_meta_model", "build_model_parts", "describe_model"]
+
+log = logging.getLogger("hpservice.train")
+
+
+@dataclasses.dataclass
+class ModelFacts:
+    """What the run knows of its model besides the modules."""
+
+    record: dict  # what a checkpoint records: name, config (built-in families), text (tokenizer files)
+    vocab_size: int | None  # what the data must fit
+    utilisation: Utilisation  # MFU from the model's FLOPs per token
+
+
+def build_meta_model(spec: JobSpec, dims: ParallelDims) -> tuple[str, nn.Module, set[str]]:
+    """The model's family name, the whole model on the meta device, and the names of its frozen
+    parameters (``training.freeze``: the patterns must match the whole model)."""
+    m = spec.model
+    name = resolve_name(m.name, m.init_from)  # the family of an init_from checkpoint
+    model = build_model(name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+    for module in model.modules():  # a window that covers every sequence is no window (preflight)
+        if getattr(module, "sliding_window", None) is not None and module.sliding_window >= spec.data.seq_len:
+            module.sliding_window = None
+    frozen = set(freeze(model, spec.training.freeze))
+    if dims.cp > 1 and "positions" not in inspect.signature(model.forward).parameters:
+        raise TrainingError(
+            "parallelism.cp > 1 needs a model whose forward takes positions= (the global position of each "
+            "token of its part of the sequence), as the built-in llama's does"
+        )
+    return name, model, frozen
+
+
+def build_model_parts(
+    whole: nn.Module, frozen: set[str], dims: ParallelDims, spec: JobSpec, device: torch.device, loss_fn
+) -> tuple[list[nn.Module], object | None]:
+    """This rank's stages (or the whole model), each laid out and filled, and with pipeline
+    parallelism the schedule over them with ``loss_fn`` on the last stage."""
+    stages = apply_pp(whole, dims.pp_rank, spec) if dims.pp > 1 else [(0, whole)]
+    last = spec.parallelism.pp * spec.parallelism.pp_virtual_stages - 1
+    for s, part in stages:
+        parallelize(part, dims, spec, device, first=s == 0, last=s == last)
+        if spec.model.init_from is not None:  # pretrained weights: each rank reads its own slices
+            part.init_buffers()
+            load_hf_weights(part, spec.model.init_from)
+        else:
+            init_weights(part, dims.stage_mesh, spec.training.seed)
+        for name, param in part.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
+    parts = [part for _, part in stages]
+    if dims.pp == 1:
+        return parts, None
+    return parts, build_pipeline_schedule(stages, spec, device, dims.pp_mesh.get_group(), loss_fn)
+
+
+def _text_record(spec: JobSpec) -> dict | None:
+    """The special token ids, generation config and tokenizer files of this run's model
+    (``hpservice.models.hf_text``): from ``model.init_from``, else from ``data.tokenizer``."""
+    from hpservice.models.hf_text import record_from_hf, record_from_tokenizer
+
+    try:
+        if spec.model.init_from is not None:
+            return record_from_hf(spec.model.init_from)
+        if spec.data.kind == "text" and spec.data.tokenizer is not None:
+            return record_from_tokenizer(spec.data.tokenizer)
+    except Exception as e:  # a broken tokenizer stops the run where its data is read, saying why
+        log.warning("the run's tokenizer files are not recorded for export: %s", e)
+    return None
+
+
+def describe_model(name: str, whole: nn.Module, spec: JobSpec, device: torch.device, rank: int) -> ModelFacts:
+    """The model's record (rank 0 adds its tokenizer files), vocabulary and FLOP counts (a
+    custom factory: the 6N estimate)."""
+    m = spec.model
+    record = {"name": name, "config": None}
+    if rank == 0 and name in HF_FAMILIES and (text := _text_record(spec)) is not None:
+        record["text"] = text  # what an HF export writes besides weights
+    if name in list_models():
+        config = model_config(name, m.flavor, m.overrides, m.init_from)
+        record["config"] = dataclasses.asdict(config)
+        vocab = spec.data.vocab_size or config.vocab_size
+        flops = flops_per_token(config, spec.data.seq_len)
+        flops_no_attention = flops_per_token(config, spec.data.seq_len, attention=False)
+    else:
+        vocab = spec.data.vocab_size
+        flops = flops_no_attention = 6 * num_params(whole)
+    if spec.data.kind == "synthetic" and vocab is None:
+        raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
+    return ModelFacts(record, vocab, Utilisation(device, spec.parallelism.mixed_precision, flops, flops_no_attention))
