@@ -119,7 +119,7 @@ def test_a_job_tokenizes_its_text_with_data_tokenizer(ranks, tmp_path):
 def _eos_of_trainer(spec):
     from hpservice.train import Trainer
 
-    return Trainer(spec, log_to_stdout=False).eos_id
+    return Trainer(spec, log_to_stdout=False).data.eos_id
 
 
 def test_document_mask_takes_the_end_of_text_token_prepare_data_recorded(ranks, tmp_path):
