@@ -48,6 +48,7 @@ from .failure_policy import (
     failure_from_polls,
     preemption_after_stop,
 )
+from .gauges import JobGauges
 from .worker import TrainWorker
 
 METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted
@@ -168,7 +169,7 @@ class Coordinator:
         self._step = continuation.step
         self._reported_up_to = continuation.metrics_step  # the last step whose metrics reached the store or this actor
         self._me = ray.get_runtime_context().current_actor  # what this coordinator's workers report to
-        self._gauges = self._make_gauges()
+        self._gauges = JobGauges(self.job_id)
         self._node_id = ray.get_runtime_context().get_node_id()  # where supervision runs (the head by default)
 
     # ---- state ------------------------------------------------------------------------------
@@ -220,10 +221,7 @@ class Coordinator:
             self._reported_up_to = max(self._reported_up_to, record["step"])
             # max: a threaded actor may run one caller's calls out of order (step 2's before step 1's)
             self._step = max(self._step, record["step"])
-        tags = {"job": self.job_id, "rank": "0"}
-        for key, gauge in self._gauges.items():
-            if key in record and record[key] is not None:
-                gauge.set(float(record[key]), tags=tags)
+        self._gauges.record(record)
 
     def poll(self, since_step: int = 0, after: int = 0) -> dict:
         """Metrics records (every one still buffered) with step > ``since_step`` that arrived after
@@ -470,7 +468,7 @@ class Coordinator:
         if not self._policy.should_restart(failure, len(self._restarts)):
             return JobState.FAILED, self._policy.failed_message(failure)
         self._restarts.append({"time": time.time(), "reason": failure.reason})
-        self._gauges["restarts"].set(len(self._restarts), tags={"job": self.job_id, "rank": "0"})
+        self._gauges.restarts(len(self._restarts))
         message = f"restart {len(self._restarts)}/{self.spec.failure.max_restarts}: {failure.reason}"
         return Transition(JobState.RESTARTING, message, RestartCause())
 
@@ -627,18 +625,6 @@ class Coordinator:
     def _teardown(self) -> None:
         self._kill_workers()
         self._release()
-
-    def _make_gauges(self) -> dict:
-        from ray.util.metrics import Gauge
-
-        keys = {
-            "loss": "training loss",
-            "tokens_per_s": "tokens per second",
-            "step_time_s": "seconds per step",
-            "step": "last completed step",
-            "restarts": "restarts of the worker group",
-        }
-        return {k: Gauge(f"hpservice_{k}", description=d, tag_keys=("job", "rank")) for k, d in keys.items()}
 
 
 def _short(e: Exception) -> str:

@@ -17,7 +17,7 @@ from hpservice.spec import JobSpec
 
 from . import errors
 from .limits import Exports, StreamSlots
-from .routes import health, jobs, states
+from .routes import health, jobs, metric_registry, states
 from .settings import Settings
 from .store import Store
 from .supervisor import Supervisor
@@ -88,6 +88,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(states.router)
+    app.include_router(metric_registry.router)
 
     if (STATIC / "index.html").is_file():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")

@@ -78,6 +78,14 @@ export function setConn(text, bad = false) {
   node.classList.toggle("conn-bad", bad);
 }
 
+export const METRIC_REGISTRY = []; // filled from GET /v1/metric-registry: every metric a step reports
+
+export async function loadMetricRegistry() {
+  const res = await fetch("/v1/metric-registry", { headers: { Accept: "application/json" }, cache: "no-store" });
+  if (!res.ok) throw new Error(`${res.status} ${res.statusText}`);
+  METRIC_REGISTRY.push(...((await res.json()).metrics || []));
+}
+
 export async function loadJobStates() {
   const res = await fetch("/v1/job-states", { headers: { Accept: "application/json" }, cache: "no-store" });
   if (!res.ok) throw new Error(`${res.status} ${res.statusText}`);

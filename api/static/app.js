@@ -5,7 +5,19 @@
 //   heatmap.js a MoE job's expert loads per step
 //   app.js     (this file) the jobs list, the job view, comparing runs, the full log, actions
 
-import { AuthError, TERMINAL, api, apiSend, hideAuth, loadJobStates, saveToken, setConn, token } from "./api.js";
+import {
+  AuthError,
+  METRIC_REGISTRY,
+  TERMINAL,
+  api,
+  apiSend,
+  hideAuth,
+  loadJobStates,
+  loadMetricRegistry,
+  saveToken,
+  setConn,
+  token,
+} from "./api.js";
 import { LineChart } from "./chart.js";
 import { ExpertHeatmap } from "./heatmap.js";
 import { $, el, fmtBytes, fmtClock, fmtLr, fmtNum, fmtRate, fmtTime, isNum, setBadge, stepText } from "./format.js";
@@ -257,8 +269,38 @@ function renderLive() {
   $("f-loss").textContent = last ? fmtNum(last.loss) : "—";
   $("f-lr").textContent = last ? fmtLr(last.lr) : "—";
   $("f-tps").textContent = last ? fmtRate(last.tokens_per_s) : "—";
+  renderStepMetrics(recs);
   renderStep();
   renderLogs();
+}
+
+// Every metric of the registry the job has reported, at its latest value (a metric such as
+// val_loss is measured on some steps only: its last value, with its step).
+function renderStepMetrics(recs) {
+  const body = $("metric-rows");
+  const shown = [];
+  for (const m of METRIC_REGISTRY) {
+    let at = null;
+    for (let i = recs.length - 1; i >= 0; i--) {
+      if (recs[i][m.name] !== undefined && recs[i][m.name] !== null) {
+        at = recs[i];
+        break;
+      }
+    }
+    if (!at) continue;
+    const v = at[m.name];
+    const text = m.kind === "table" ? `${Object.keys(v).length} rows` : isNum(v) ? fmtNum(v) : String(v);
+    const when = at === recs[recs.length - 1] ? "" : ` (step ${at.step})`;
+    const row = el("tr", { "data-metric": m.name });
+    row.append(
+      el("td", { class: "mono" }, m.name),
+      el("td", { class: "num mono" }, text + when),
+      el("td", {}, m.unit),
+      el("td", { class: "small" }, m.description),
+    );
+    shown.push(row);
+  }
+  body.replaceChildren(...shown);
 }
 
 function renderStep() {
@@ -682,8 +724,8 @@ $("job-delete").addEventListener("click", async () => {
 });
 
 saveToken(token);
-loadJobStates()
-  .catch((err) => setConn(`Cannot load the job states: ${err.message}`, true))
+Promise.all([loadJobStates(), loadMetricRegistry()])
+  .catch((err) => setConn(`Cannot load the job states or the metric registry: ${err.message}`, true))
   .finally(() => {
     onHash(false);
     refreshJobs();

@@ -2,7 +2,8 @@
 
 Every sink takes each step's record (``log``) and is closed once at the end (``close``). The
 trainer builds the list once from ``metrics:`` and never asks which sinks it holds, so a new
-destination is one class here and one line in ``build_sinks``.
+destination is one class here and one line in ``build_sinks``. Which metrics each carries is
+declared in ``hpservice.metrics.METRICS``, not here.
 
 - ``metrics.jsonl`` in the run's directory: always (the service, ``hpservice status`` and
   resumption read it);
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from hpservice.metrics import scalars
 from hpservice.spec import JobSpec
 
 from ._errors import TrainingError
@@ -49,8 +51,6 @@ class JsonlSink:
 class TensorBoardSink:
     """Event files under ``<run dir>/tensorboard``."""
 
-    _METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
-
     def __init__(self, run_dir: Path):
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -61,9 +61,8 @@ class TensorBoardSink:
         self._writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, record: dict) -> None:
-        for key in self._METRICS:
-            if record.get(key) is not None:
-                self._writer.add_scalar(key, record[key], record["step"])
+        for name, value in scalars(record, "tensorboard"):
+            self._writer.add_scalar(name, value, record["step"])
 
     def close(self) -> None:
         self._writer.close()

@@ -11,22 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hpservice.metrics import scalars
 from hpservice.spec import JobSpec
 
 from ._errors import TrainingError
-
-_METRICS = (
-    "loss",
-    "lr",
-    "grad_norm",
-    "tokens_per_s",
-    "step_time_s",
-    "val_loss",
-    "val_ppl",
-    "mfu",
-    "peak_memory_allocated_gib",
-    "peak_rss_gib",
-)
 
 
 def _flat(data: dict, prefix: str = "") -> dict[str, str]:
@@ -70,8 +58,9 @@ class MLflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(record[k]), now, record["step"]) for k in _METRICS if record.get(k) is not None]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        metrics = [Metric(name, value, now, record["step"]) for name, value in scalars(record, "mlflow")]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per call (expert loads)
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def close(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from hpservice.metrics import progress_line
 from hpservice.spec import JobSpec
 
 from ._metrics import MetricSink, build_sinks
@@ -74,14 +75,7 @@ class Reporter:
             sink.log(record)
         every = self.spec.metrics.log_every
         if self._log is not None and (record["step"] % every == 0 or record["step"] == self.spec.training.steps):
-            self._log(
-                f"[{self.spec.name}] step {record['step']:>5}/{self.spec.training.steps}  loss {record['loss']:.4f}  "
-                f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step"
-                + (f"  mfu {record['mfu']:.1%}" if record.get("mfu") is not None else "")
-                + (f"  busiest expert {record['expert_imbalance']:.2f}x mean" if "expert_imbalance" in record else "")
-                + (f"  aux {record['moe_aux_loss']:.4f}" if "moe_aux_loss" in record else "")
-            )
+            self._log(f"[{self.spec.name}] step {record['step']:>5}/{self.spec.training.steps}  {progress_line(record)}")
 
     def _report_own(self, record: dict) -> None:
         """Ranks other than 0: a line of their own (step time, memory) every ``log_every`` steps,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hpservice.inputs import confine
+from hpservice.metrics import step_record
 from hpservice.parallel import ParallelDims
 from hpservice.spec import JobSpec, new_run_id
 
@@ -287,21 +288,20 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = self.data.global_tokens
-        record = {
-            "step": self.step,
+        values = {
             "loss": loss_value,
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
-            "time": time.time(),  # wall clock at the end of the step (step periods, latency)
             **self.utilisation.record(tokens / elapsed / self.world),
         }
         for hook in self.post_optimizer_hooks:
-            record.update(hook())
+            values.update(hook())
         interval = spec.eval.interval
         if interval and (self.step % interval == 0 or self.step == spec.training.steps):
-            record.update(self.evaluate())
+            values.update(self.evaluate())
+        record = step_record(self.step, time.time(), values)  # time: the wall clock at the end of the step
         self.reporter.report(record)
         return record
 

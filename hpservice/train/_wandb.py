@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpservice.metrics import scalars
 from hpservice.spec import JobSpec
 
 from ._errors import TrainingError
-
-_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "val_loss", "val_ppl")
 
 
 class WandbSink:
@@ -36,7 +35,7 @@ class WandbSink:
         )
 
     def log(self, record: dict) -> None:
-        self.run.log({k: record[k] for k in _METRICS if record.get(k) is not None}, step=record["step"])
+        self.run.log(dict(scalars(record, "wandb")), step=record["step"])
 
     def close(self) -> None:
         self.run.finish()
