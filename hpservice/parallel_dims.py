@@ -66,6 +66,7 @@ class ParallelDims:
     cp: int = 1
     pp: int = 1
     ep: int = 1
+    cp_rotate: str = "ring"  # how context parallelism passes keys and values (parallelism.cp_rotate)
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
@@ -93,7 +94,10 @@ class ParallelDims:
                 "dp_shard ranks)",
                 [("parallelism.ep", f"{ep} does not divide dp_shard {shard}")],
             )
-        return cls(replicate, shard, parallelism.tp, world_size, cp=parallelism.cp, pp=parallelism.pp, ep=ep)
+        return cls(
+            replicate, shard, parallelism.tp, world_size, cp=parallelism.cp, pp=parallelism.pp, ep=ep,
+            cp_rotate=parallelism.cp_rotate,
+        )  # fmt: skip
 
     # ---- sizes: pure, before any process group exists --------------------------------------
     @property

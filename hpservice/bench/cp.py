@@ -64,7 +64,7 @@ def _measure(flavor: str, seq_len: int, cp: int, steps: int, out: str, rotate: s
         return t
 
     dims = trainer.parallel_dims
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attention(sample, dims, rotate):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attention(sample, dims):
         loss = micro_batch_loss(trainer.model, sample, dims, trainer.loss)
     del loss
     trainer.close()

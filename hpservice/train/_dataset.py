@@ -20,7 +20,7 @@ from hpservice.parallel.context_parallel import document_ids_from_eos
 
 from ._errors import TrainingError
 
-__all__ = ["RankBatches", "build_dataset"]
+__all__ = ["RankBatches", "build_data", "build_dataset"]
 
 
 def _file_key(path: str, tokenizer: str) -> str:
@@ -127,3 +127,17 @@ class RankBatches:
         if self.eos_id is not None and batch.document_ids is None:
             batch = Batch(batch.inputs, batch.labels, document_ids_from_eos(batch.inputs, self.eos_id), batch.positions)
         return batch.to(self.device)
+
+
+def build_data(spec, dims, vocab: int | None, run_dir: Path, device: torch.device):
+    """This rank's training batches and, with ``eval.interval``, its validation batches (masked
+    into documents as training's under ``data.document_mask``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source = build_dataset(spec.data, vocab, run_dir, rank=rank, world=world)
+    eos = document_eos(spec.data, source) if spec.data.document_mask else None
+    where = {"dp_rank": dims.dp_rank, "dp_size": dims.dp_size, "device": device, "eos_id": eos}
+    train = RankBatches(source, spec.data, **where)
+    if not spec.eval.interval:
+        return train, None
+    eval_source = build_dataset(spec.eval.data, vocab, run_dir, rank=rank, world=world)
+    return train, RankBatches(eval_source, spec.eval.data, **where)

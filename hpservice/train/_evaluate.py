@@ -28,14 +28,12 @@ class Evaluator:
         data: RankBatches,
         steps: int,
         model_parts: list[nn.Module],
-        *,
         dims: ParallelDims,
         loss: TokenLoss,
         pipeline=None,
-        cp_rotate: str = "ring",
     ):
         self.data, self.steps, self.model_parts, self.dims = data, steps, model_parts, dims
-        self.loss, self.pipeline, self.cp_rotate = loss, pipeline, cp_rotate
+        self.loss, self.pipeline = loss, pipeline
 
     @torch.no_grad()
     def __call__(self) -> dict:
@@ -54,7 +52,7 @@ class Evaluator:
                     self.pipeline.eval(batch.inputs, target=batch.labels, losses=losses)
                     total += sum(losses) if losses else 0.0
                     continue
-                with attention(batch, self.dims, self.cp_rotate):
+                with attention(batch, self.dims):
                     total += micro_batch_loss(self.model_parts[0], batch, self.dims, self.loss)
         finally:
             for part in self.model_parts:

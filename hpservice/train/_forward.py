@@ -30,13 +30,13 @@ def _cp_positions(batch: Batch, dims: ParallelDims) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def attention(batch: Batch, dims: ParallelDims, cp_rotate: str):
+def attention(batch: Batch, dims: ParallelDims):
     """Inside: the model's attention as the job asks for the micro-batch ``batch``."""
     docs = batch.document_ids
     if dims.cp > 1:
         if docs is not None:
             docs = docs.index_select(1, _cp_positions(batch, dims))
-        context = context_parallel(dims.cp_mesh, rotate=cp_rotate, document_ids=docs)
+        context = context_parallel(dims.cp_mesh, rotate=dims.cp_rotate, document_ids=docs)
     elif docs is not None:
         context = document_masking(docs)
     else:

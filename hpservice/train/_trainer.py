@@ -32,8 +32,7 @@ from hpservice.parallel import ParallelDims
 from hpservice.spec import JobSpec, new_run_id
 
 from ._compile import check_compile_available
-from ._dataset import RankBatches, build_dataset
-from ._dataset import document_eos as _document_eos
+from ._dataset import build_data
 from ._distributed import init_distributed, pick_device
 from ._errors import TrainingError
 from ._evaluate import Evaluator
@@ -119,7 +118,10 @@ class Trainer:
             bias_update_rate=(facts.record["config"] or {}).get("bias_update_rate", 0.0),
         )
         self.storage = StorageBudget(spec.storage_limit_bytes, [str(self.output_dir), spec.checkpoint.dir])
-        self.data, self.evaluate = self._build_data(facts.vocab_size)
+        self.data, eval_data = build_data(spec, dims, facts.vocab_size, self.output_dir, self.device)
+        self.evaluate = None
+        if eval_data is not None:
+            self.evaluate = Evaluator(eval_data, spec.eval.steps, self.model_parts, dims, self.loss, self.pipeline)
         self.reporter = Reporter(
             spec, self.rank, self.output_dir, on_metrics=on_metrics, log_fn=log_fn, log_to_stdout=log_to_stdout
         )
@@ -141,30 +143,6 @@ class Trainer:
         run_id = [new_run_id(spec.name) if self.rank == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
         return spec.with_run(run_id[0])
-
-    def _build_data(self, vocab: int | None):
-        """This rank's training batches and, with ``eval.interval``, the evaluator."""
-        spec, dims = self.spec, self.parallel_dims
-        where = {"dp_rank": dims.dp_rank, "dp_size": dims.dp_size, "device": self.device}
-        evaluate = None
-        if spec.eval.interval:
-            e = spec.eval
-            source = build_dataset(e.data, vocab, self.output_dir, rank=self.rank, world=self.world)
-            eval_batches = RankBatches(source, e.data, **where)
-            evaluate = Evaluator(
-                eval_batches,
-                e.steps,
-                self.model_parts,
-                dims=dims,
-                loss=self.loss,
-                pipeline=self.pipeline,
-                cp_rotate=spec.parallelism.cp_rotate,
-            )
-        source = build_dataset(spec.data, vocab, self.output_dir, rank=self.rank, world=self.world)
-        eos = _document_eos(spec.data, source) if spec.data.document_mask else None
-        if evaluate is not None:
-            evaluate.data.eos_id = eos  # validation batches masked as training's
-        return RankBatches(source, spec.data, eos_id=eos, **where), evaluate
 
     def _build_checkpoints(self, on_checkpoint) -> TrainCheckpoints | None:
         c = self.spec.checkpoint
@@ -259,7 +237,7 @@ class Trainer:
         for micro, part in enumerate(batch.chunk(accum)):
             if dims.dp_mesh is not None:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            with attention(part, dims, spec.parallelism.cp_rotate):  # backward too: checkpointing recomputes there
+            with attention(part, dims):  # backward too: checkpointing recomputes there
                 loss = micro_batch_loss(self.model, part, dims, self.loss)
                 loss.backward()
             loss_sum += loss.detach()

@@ -189,11 +189,14 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
     def not_found(job_id: str) -> JSONResponse:
         return JSONResponse({"error": {"code": "not_found", "message": f"job {job_id} not found"}}, 404)
 
-    @app.get("/v1/job-states")
-    def job_states():  # the server's own vocabulary: the page must not write the states again
-        from hpservice.api.routes.states import job_states
+    # the server's own vocabulary and metric registry: the page must not write them again (imported
+    # here, not in the handlers: the page asks for both at once, and two threads importing one
+    # package can see it half-initialised)
+    from hpservice.api.routes.metric_registry import metric_registry
+    from hpservice.api.routes.states import job_states
 
-        return job_states()
+    app.get("/v1/job-states")(job_states)
+    app.get("/v1/metric-registry")(metric_registry)
 
     @app.get("/")
     def index():
@@ -434,6 +437,13 @@ def test_page_shows_a_live_job(browser, tmp_path):
         assert css(browser, '[data-testid="experts-readout"]').text == f"layer 1: 4 experts, busiest {(40 + STEPS) / 40:.2f}x the mean at step {STEPS}"
         Select(css(browser, '[data-testid="experts-layer"]')).select_by_value("3")
         wait(browser, lambda d: css(d, '[data-testid="experts-heatmap"]').get_attribute("data-layer") == "3")
+        # every metric the job reported, in the registry's order, with its unit; val_loss from its last step
+        rows = css_all(browser, '[data-testid="step-metrics"] tbody tr')
+        shown = [r.get_attribute("data-metric") for r in rows]
+        assert shown == ["loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "expert_load", "expert_imbalance", "val_loss"]
+        cells = {r.get_attribute("data-metric"): [c.text for c in r.find_elements("tag name", "td")] for r in rows}
+        assert cells["tokens_per_s"][2] == "tokens/s" and cells["expert_load"][1] == "2 rows"
+        assert cells["grad_norm"][1] == "0.6" and "(step" not in cells["val_loss"][1]  # step 30 has one
 
         # checkpoints, restarts with reasons, logs, the Ray link
         # only the committed checkpoints still on storage: step 10's was pruned when step 30's came
