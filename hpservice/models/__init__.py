@@ -56,12 +56,12 @@ import dataclasses
 import importlib
 import types
 import typing
-from typing import Any
 
 import torch
 from torch import nn
 
-from . import llama, mlp
+from . import deepseek_v3, llama, mistral, mlp, qwen2, qwen3, qwen3_moe
+from ._spec import HFNames, ModelSpec
 from .deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepseekV3, DeepseekV3Config
 from .llama import LLAMA_FLAVORS, Llama, LlamaConfig, num_params
 from .mistral import MISTRAL_FLAVORS, Mistral
@@ -76,27 +76,32 @@ __all__ = [
     "LLAMA_FLAVORS",
     "MISTRAL_FLAVORS",
     "MLP_FLAVORS",
+    "MODEL_SPECS",
     "QWEN2_FLAVORS",
     "QWEN3_FLAVORS",
     "QWEN3_MOE_FLAVORS",
     "DeepseekV3",
     "DeepseekV3Config",
+    "HFNames",
     "Llama",
     "LlamaConfig",
     "MLPConfig",
     "MLPModel",
     "Mistral",
+    "ModelSpec",
     "Qwen2",
     "Qwen3",
     "Qwen3Moe",
     "Qwen3MoeConfig",
     "build_model",
     "config_class",
+    "factory_model_spec",
     "flops_per_token",
     "list_flavors",
     "list_models",
     "model_class",
     "model_config",
+    "model_spec",
     "num_params",
     "resolve_factory",
     "resolve_name",
@@ -105,24 +110,48 @@ __all__ = [
 _DEFAULT_FLAVOR = "tiny"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Builtin:
-    config_cls: type
-    model_cls: type[nn.Module]
-    flavors: dict[str, Any]
-
-
-_BUILTINS: dict[str, _Builtin] = {
-    "llama": _Builtin(LlamaConfig, Llama, LLAMA_FLAVORS),
-    "qwen2": _Builtin(LlamaConfig, Qwen2, QWEN2_FLAVORS),
-    "qwen3": _Builtin(LlamaConfig, Qwen3, QWEN3_FLAVORS),
-    "mistral": _Builtin(LlamaConfig, Mistral, MISTRAL_FLAVORS),
-    "qwen3_moe": _Builtin(Qwen3MoeConfig, Qwen3Moe, QWEN3_MOE_FLAVORS),
-    "deepseek_v3": _Builtin(DeepseekV3Config, DeepseekV3, DEEPSEEK_V3_FLAVORS),
-    "mlp": _Builtin(MLPConfig, MLPModel, MLP_FLAVORS),
+# The families, each declared once by its own file (``MODEL_SPEC``: ``_spec.ModelSpec``).
+MODEL_SPECS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        llama.MODEL_SPEC,
+        qwen2.MODEL_SPEC,
+        qwen3.MODEL_SPEC,
+        mistral.MODEL_SPEC,
+        qwen3_moe.MODEL_SPEC,
+        deepseek_v3.MODEL_SPEC,
+        mlp.MODEL_SPEC,
+    )
 }
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3")
+HF_FAMILIES = tuple(name for name, spec in MODEL_SPECS.items() if spec.hf is not None)
 """The built-ins that import and export Hugging Face checkpoints (``hf.py``)."""
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The bundle of a built-in family; ``ValueError`` naming the allowed ones otherwise."""
+    return _builtin(name)
+
+
+def factory_model_spec(name: str, model: nn.Module) -> ModelSpec:
+    """The bundle of a custom factory's model (``package.module:factory``): a tensor-parallel plan
+    where the model brings one (a ``parallelize(tp_mesh, sequence_parallel=...)`` method: the one
+    protocol a user's model is asked about), MoE upkeep where it is built from our ``MoE`` layers,
+    no Hugging Face names, the 6N FLOPs estimate."""
+    from .moe import moe_post_optimizer_hooks
+
+    def parallelize(m: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+        m.parallelize(tp_mesh, sequence_parallel=sequence_parallel)
+
+    return ModelSpec(
+        name=name,
+        model_cls=type(model),
+        config_cls=type(None),
+        flavors={},
+        description=f"custom model {name}",
+        flops_per_token=None,
+        parallelize=parallelize if callable(getattr(model, "parallelize", None)) else None,
+        post_optimizer_hooks=moe_post_optimizer_hooks,
+    )
 
 
 def resolve_name(name: str | None, init_from: str | None = None) -> str:
@@ -139,7 +168,7 @@ def resolve_name(name: str | None, init_from: str | None = None) -> str:
 
 def list_models() -> list[str]:
     """Names of the built-in models (custom ``package.module:factory`` names are also accepted)."""
-    return sorted(_BUILTINS)
+    return sorted(MODEL_SPECS)
 
 
 def list_flavors(name: str) -> list[str]:
@@ -202,7 +231,7 @@ def build_model(
         return model
     cfg = model_config(name, flavor, overrides, init_from)
     with _device_context(device):
-        return _BUILTINS[name].model_cls(cfg)
+        return MODEL_SPECS[name].model_cls(cfg)
 
 
 def model_class(name: str) -> type[nn.Module]:
@@ -216,12 +245,11 @@ def config_class(name: str) -> type:
 
 
 def flops_per_token(cfg: LlamaConfig | MLPConfig, seq_len: int, *, attention: bool = True) -> int:
-    """Training FLOPs per token of a built-in model's config (see ``llama.flops_per_token``)."""
-    if isinstance(cfg, LlamaConfig):
-        return llama.flops_per_token(cfg, seq_len, attention=attention)
-    if isinstance(cfg, MLPConfig):
-        return mlp.flops_per_token(cfg, seq_len, attention=attention)
-    raise TypeError(f"flops_per_token: expected LlamaConfig or MLPConfig, got {type(cfg).__name__}")
+    """Training FLOPs per token of a built-in model's config (its family's ``flops_per_token``)."""
+    for spec in MODEL_SPECS.values():
+        if type(cfg) is spec.config_cls:
+            return spec.flops_per_token(cfg, seq_len, attention=attention)
+    raise TypeError(f"flops_per_token: not the config of a built-in family: {type(cfg).__name__}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,13 +257,13 @@ def flops_per_token(cfg: LlamaConfig | MLPConfig, seq_len: int, *, attention: bo
 # ----------------------------------------------------------------------------------------------
 
 
-def _builtin(name: str) -> _Builtin:
-    if name not in _BUILTINS:
+def _builtin(name: str) -> ModelSpec:
+    if name not in MODEL_SPECS:
         raise ValueError(
             f"unknown model {name!r}; built-in models: {', '.join(list_models())}, "
             "or a custom factory written as 'package.module:factory'"
         )
-    return _BUILTINS[name]
+    return MODEL_SPECS[name]
 
 
 def _device_context(device):

@@ -44,8 +44,18 @@ from torch import nn
 from hpservice.dtensor import DTensor, Partial, Replicate
 from hpservice.parallel.context_parallel import scaled_dot_product_attention
 
-from .llama import Llama, RMSNorm, TransformerBlock, _init_linear, apply_rope, yarn_mscale
-from .moe import MoE, MoEConfig
+from ._spec import HFNames, ModelSpec
+from .llama import (
+    Llama,
+    RMSNorm,
+    TransformerBlock,
+    _init_linear,
+    apply_rope,
+    flops_per_token,
+    parallelize_llama,
+    yarn_mscale,
+)
+from .moe import MoE, MoEConfig, moe_post_optimizer_hooks
 
 
 @dataclass
@@ -220,3 +230,16 @@ class DeepseekV3(Llama):
 
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepseekV3", "DeepseekV3Config", "MLAttention"]
+
+
+MODEL_SPEC = ModelSpec(
+    name="deepseek_v3",
+    model_cls=DeepseekV3,
+    config_cls=DeepseekV3Config,
+    flavors=DEEPSEEK_V3_FLAVORS,
+    description="DeepSeek-V3: multi-head latent attention, shared experts, grouped sigmoid routing, aux-loss-free balancing",
+    flops_per_token=flops_per_token,
+    hf=HFNames("deepseek_v3", "DeepseekV3ForCausalLM"),
+    parallelize=parallelize_llama,
+    post_optimizer_hooks=moe_post_optimizer_hooks,
+)

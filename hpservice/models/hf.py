@@ -38,7 +38,7 @@ import torch
 from hpservice.checkpoint._reader import CheckpointReader, dcp_load
 from hpservice.inputs import MAX_JSON_BYTES, InputError, InputFileError, load_json, open_input, opened_path, read_input
 
-from . import config_class, model_class
+from . import MODEL_SPECS, config_class, model_class
 from .hf_config import validated_config
 from .hf_text import write_text_files
 from .llama import Llama, LlamaConfig
@@ -59,15 +59,8 @@ __all__ = [
     "save_hf_pretrained",
 ]
 
-# family -> (model_type, architecture) of its Hugging Face checkpoints
-FAMILIES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
-}
+# family -> (model_type, architecture) of its Hugging Face checkpoints: from the families' bundles
+FAMILIES = {name: (spec.hf.model_type, spec.hf.architecture) for name, spec in MODEL_SPECS.items() if spec.hf}
 
 
 class HFFormatError(ValueError):

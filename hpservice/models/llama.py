@@ -56,6 +56,8 @@ from torch import nn
 
 from hpservice.parallel.context_parallel import scaled_dot_product_attention
 
+from ._spec import HFNames, ModelSpec
+
 
 @dataclass
 class LlamaConfig:
@@ -530,9 +532,7 @@ class Llama(nn.Module):
         """Tensor (and sequence) parallelism on the 1-d ``tp_mesh``, in place: this model's plan,
         ``hpservice.parallel.apply_llama_tp`` (torchtitan's ``parallelize_llama``). The trainer calls
         ``model.parallelize`` for ``parallelism.tp > 1``; a custom model brings its own."""
-        from hpservice.parallel import apply_llama_tp
-
-        apply_llama_tp(self, tp_mesh, sequence_parallel=sequence_parallel)
+        parallelize_llama(self, tp_mesh, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: LongTensor [B, S] with S <= max_seq_len -> logits [B, S, vocab_size].
@@ -602,3 +602,23 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, *, attention: bool = True) -
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     width = cfg.attention_width()  # dim for a Llama; Qwen3, Mistral and DeepSeek's MLA may differ
     return 6 * matmul_params(cfg) + (12 * cfg.n_layers * width * seq_len if attention else 0)
+
+
+def parallelize_llama(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """The decoder families' tensor (and sequence) parallelism: ``hpservice.parallel.apply_llama_tp``
+    (torchtitan's ``parallelize_llama``), in place on the 1-d ``tp_mesh``."""
+    from hpservice.parallel import apply_llama_tp
+
+    apply_llama_tp(model, tp_mesh, sequence_parallel=sequence_parallel)
+
+
+MODEL_SPEC = ModelSpec(
+    name="llama",
+    model_cls=Llama,
+    config_cls=LlamaConfig,
+    flavors=LLAMA_FLAVORS,
+    description="Llama 2/3 decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU",
+    flops_per_token=flops_per_token,
+    hf=HFNames("llama", "LlamaForCausalLM"),
+    parallelize=parallelize_llama,
+)

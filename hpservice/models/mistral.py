@@ -10,7 +10,8 @@ SDPA; with context parallelism or document masking it is refused (not built yet)
 
 from __future__ import annotations
 
-from .llama import Llama, LlamaConfig
+from ._spec import HFNames, ModelSpec
+from .llama import Llama, LlamaConfig, flops_per_token, parallelize_llama
 
 MISTRAL_FLAVORS: dict[str, LlamaConfig] = {
     # CPU tests and examples: a window (16) shorter than the sequences they train on.
@@ -31,3 +32,15 @@ MISTRAL_FLAVORS: dict[str, LlamaConfig] = {
 
 class Mistral(Llama):
     """A Mistral model: ``Llama`` with ``cfg.sliding_window`` where the flavor or checkpoint sets one."""
+
+
+MODEL_SPEC = ModelSpec(
+    name="mistral",
+    model_cls=Mistral,
+    config_cls=LlamaConfig,
+    flavors=MISTRAL_FLAVORS,
+    description="Mistral: the Llama decoder with a sliding attention window",
+    flops_per_token=flops_per_token,
+    hf=HFNames("mistral", "MistralForCausalLM"),
+    parallelize=parallelize_llama,
+)

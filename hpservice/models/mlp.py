@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._spec import ModelSpec
 from .llama import RMSNorm, keep_blocks
 
 
@@ -118,3 +119,13 @@ def flops_per_token(cfg: MLPConfig, seq_len: int | None = None, *, attention: bo
     is a lookup). No attention, so ``seq_len`` does not matter; it is accepted for symmetry with
     ``llama.flops_per_token`` (as is ``attention``)."""
     return 6 * (cfg.n_layers * 2 * cfg.dim * cfg.hidden + cfg.dim * cfg.vocab_size)
+
+
+MODEL_SPEC = ModelSpec(
+    name="mlp",
+    model_cls=MLPModel,
+    config_cls=MLPConfig,
+    flavors=MLP_FLAVORS,
+    description="a residual MLP on token embeddings, for benchmarks (no attention, no tensor-parallel plan)",
+    flops_per_token=flops_per_token,
+)

@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -59,11 +60,14 @@ __all__ = [
     "GroupedExperts",
     "MoE",
     "MoEConfig",
+    "MoEUpkeep",
+    "PostOptimizerHook",
     "TokenChoiceTopKRouter",
     "dropped_pairs",
     "expert_loads",
     "mean_aux_loss",
     "moe_layers",
+    "moe_post_optimizer_hooks",
     "update_expert_biases",
 ]
 
@@ -430,3 +434,67 @@ def update_expert_biases(layers: dict[str, MoE], loads: dict[str, list[float]], 
     for name, layer in layers.items():
         load = torch.tensor(loads[name], device=layer.expert_bias.device)
         layer.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+# ---- post-optimizer upkeep: after each optimizer step, the step's loads, the biases, the metrics ----
+class PostOptimizerHook:
+    """Runs after each optimizer step (the trainer calls it); returns metrics for the step's record."""
+
+    def __call__(self) -> dict:
+        raise NotImplementedError
+
+
+class MoEUpkeep(PostOptimizerHook):
+    """``expert_load`` (layer -> tokens per expert, summed over the ranks that saw other tokens),
+    ``expert_imbalance`` (the largest max / mean load of a layer), ``moe_aux_loss`` (this rank's)
+    and ``moe_dropped`` (with a capacity factor: the (token, expert) pairs dropped, over all layers
+    and data ranks). Under pipeline parallelism every stage's layers, gathered over the pp ranks
+    (a stage of dense blocks contributes none)."""
+
+    def __init__(self, layers: dict, dims, bias_update_rate: float):
+        self.layers, self.dims, self.bias_update_rate = layers, dims, bias_update_rate
+
+    def _sum_over_token_ranks(self, t: torch.Tensor) -> None:
+        """Sum ``t`` in place over the ranks that see other tokens (data-parallel and context-
+        parallel; tensor-parallel ranks see the same ones)."""
+        if dist.get_world_size() == 1:
+            return
+        for name in self.dims.fsdp_dim_names:
+            dist.all_reduce(t, group=self.dims.world_mesh[name].get_group())
+
+    def __call__(self) -> dict:
+        loads = expert_loads(self.layers, reduce=self._sum_over_token_ranks)
+        if self.bias_update_rate:
+            update_expert_biases(self.layers, loads, self.bias_update_rate)
+        aux = mean_aux_loss(self.layers)
+        dropped = dropped_pairs(self.layers, reduce=self._sum_over_token_ranks)
+        if self.dims.pp > 1:
+            stages = [None] * self.dims.pp
+            dist.all_gather_object(stages, (loads, aux, dropped), group=self.dims.pp_mesh.get_group())
+            loads = dict(sorted(((k, v) for stage in stages for k, v in stage[0].items()), key=lambda kv: int(kv[0])))
+            auxes, drops = [s[1] for s in stages if s[1] is not None], [s[2] for s in stages if s[2] is not None]
+            aux, dropped = (sum(auxes) if auxes else None), (sum(drops) if drops else None)
+        record = {"expert_load": loads}
+        if loads:
+            record["expert_imbalance"] = max(max(row) / max(sum(row) / len(row), 1e-9) for row in loads.values())
+        if aux is not None:
+            record["moe_aux_loss"] = aux
+        if dropped is not None:
+            record["moe_dropped"] = dropped
+        return record
+
+
+def moe_post_optimizer_hooks(
+    model: nn.Module, model_parts: list[nn.Module], dims, *, microbatches: int, bias_update_rate: float
+) -> list[PostOptimizerHook]:
+    """The MoE families' post-optimizer hooks (their ``ModelSpec``'s): ``MoEUpkeep`` where the
+    model has MoE layers. ``model``: the whole (meta) model, which says whether any stage has them
+    (every pp rank joins the gather); ``model_parts``: this rank's; ``dims``: the job's
+    ``ParallelDims``; ``microbatches``: how many micro-batch backwards a step's aux loss gradient
+    is spread over (1 in a pipeline, which divides its own)."""
+    layers = {k: v for part in model_parts for k, v in moe_layers(part).items()}
+    for layer in layers.values():
+        layer.aux_loss_scale = 1.0 / microbatches
+    if not layers and not moe_layers(model):
+        return []
+    return [MoEUpkeep(layers, dims, bias_update_rate)]

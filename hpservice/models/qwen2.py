@@ -11,7 +11,8 @@ biases of the colwise projections are sharded with their rows.
 
 from __future__ import annotations
 
-from .llama import Llama, LlamaConfig
+from ._spec import HFNames, ModelSpec
+from .llama import Llama, LlamaConfig, flops_per_token, parallelize_llama
 
 QWEN2_FLAVORS: dict[str, LlamaConfig] = {
     # CPU tests and examples: uneven head counts would not split over tp 2, so 4 and 2.
@@ -48,3 +49,15 @@ QWEN2_FLAVORS: dict[str, LlamaConfig] = {
 
 class Qwen2(Llama):
     """A Qwen2 / Qwen2.5 model: ``Llama`` with ``cfg.qkv_bias`` (the flavors set it)."""
+
+
+MODEL_SPEC = ModelSpec(
+    name="qwen2",
+    model_cls=Qwen2,
+    config_cls=LlamaConfig,
+    flavors=QWEN2_FLAVORS,
+    description="Qwen2 / Qwen2.5: the Llama decoder with q/k/v biases",
+    flops_per_token=flops_per_token,
+    hf=HFNames("qwen2", "Qwen2ForCausalLM"),
+    parallelize=parallelize_llama,
+)

@@ -12,7 +12,8 @@ gradients of each rank's heads all-reduced), as torchtitan's Qwen3 plan does.
 
 from __future__ import annotations
 
-from .llama import Llama, LlamaConfig
+from ._spec import HFNames, ModelSpec
+from .llama import Llama, LlamaConfig, flops_per_token, parallelize_llama
 
 QWEN3_FLAVORS: dict[str, LlamaConfig] = {
     # CPU tests and examples: a head width (24) other than dim / n_heads (16), as in the real ones.
@@ -53,3 +54,15 @@ QWEN3_FLAVORS: dict[str, LlamaConfig] = {
 
 class Qwen3(Llama):
     """A dense Qwen3 model: ``Llama`` with ``cfg.qk_norm`` and ``cfg.attn_head_dim`` (the flavors set them)."""
+
+
+MODEL_SPEC = ModelSpec(
+    name="qwen3",
+    model_cls=Qwen3,
+    config_cls=LlamaConfig,
+    flavors=QWEN3_FLAVORS,
+    description="Qwen3 (dense): the Llama decoder with per-head q/k norms and a head width of its own",
+    flops_per_token=flops_per_token,
+    hf=HFNames("qwen3", "Qwen3ForCausalLM"),
+    parallelize=parallelize_llama,
+)

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .llama import Llama, TransformerBlock
-from .moe import MoE, MoEConfig
+from ._spec import HFNames, ModelSpec
+from .llama import Llama, TransformerBlock, flops_per_token, parallelize_llama
+from .moe import MoE, MoEConfig, moe_post_optimizer_hooks
 
 
 @dataclass
@@ -77,3 +78,16 @@ class Qwen3Moe(Llama):
                 init_std=block.feed_forward.init_std,
             )  # fmt: skip
         return block
+
+
+MODEL_SPEC = ModelSpec(
+    name="qwen3_moe",
+    model_cls=Qwen3Moe,
+    config_cls=Qwen3MoeConfig,
+    flavors=QWEN3_MOE_FLAVORS,
+    description="Qwen3-MoE: Qwen3 blocks with mixture-of-experts feed-forwards (top-k softmax routing)",
+    flops_per_token=flops_per_token,
+    hf=HFNames("qwen3_moe", "Qwen3MoeForCausalLM"),
+    parallelize=parallelize_llama,
+    post_optimizer_hooks=moe_post_optimizer_hooks,
+)

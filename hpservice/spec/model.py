@@ -36,8 +36,8 @@ class ModelSpec(_Section):
     name: str | None = Field(
         None,
         max_length=200,
-        description="built-in model (llama, qwen2, qwen3, mistral, mlp) or 'package.module:factory'; null: the "
-        "family of the init_from checkpoint, else llama",
+        description="built-in model (deepseek_v3, llama, mistral, mlp, qwen2, qwen3, qwen3_moe) or "
+        "'package.module:factory'; null: the family of the init_from checkpoint, else llama",
     )
     flavor: str | None = Field(
         None,
@@ -52,9 +52,9 @@ class ModelSpec(_Section):
     init_from: str | None = Field(
         None,
         max_length=_MAX_PATH,
-        description="a Hugging Face checkpoint directory (config.json + safetensors) of a Llama, Qwen2, Qwen3 or "
-        "Mistral: the model takes its family (model.name may be left out), its config, and starts from its "
-        "weights (a fresh optimizer; resume_from continues a run of ours instead)",
+        description="a Hugging Face checkpoint directory (config.json + safetensors) of llama, qwen2, qwen3, "
+        "mistral, qwen3_moe or deepseek_v3: the model takes its family (model.name may be left out), its config, "
+        "and starts from its weights (a fresh optimizer; resume_from continues a run of ours instead)",
     )
 
     @model_validator(mode="after")

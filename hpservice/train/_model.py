@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 
 from hpservice.models import (
-    HF_FAMILIES,
+    MODEL_SPECS,
+    ModelSpec,
     build_model,
-    flops_per_token,
-    list_models,
+    factory_model_spec,
     model_config,
     num_params,
     resolve_name,
@@ -49,12 +49,16 @@ class ModelFacts:
     utilisation: Utilisation  # MFU from the model's FLOPs per token
 
 
-def build_meta_model(spec: JobSpec, dims: ParallelDims) -> tuple[str, nn.Module, set[str]]:
-    """The model's family name, the whole model on the meta device, and the names of its frozen
-    parameters (``training.freeze``: the patterns must match the whole model)."""
+def build_meta_model(spec: JobSpec, dims: ParallelDims) -> tuple[ModelSpec, nn.Module, set[str]]:
+    """The model's bundle (its family's ``ModelSpec``, or a custom factory's), the whole model on
+    the meta device with the bundle's converters applied, and the names of its frozen parameters
+    (``training.freeze``: the patterns must match the whole model)."""
     m = spec.model
     name = resolve_name(m.name, m.init_from)  # the family of an init_from checkpoint
     model = build_model(name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+    bundle = MODEL_SPECS[name] if name in MODEL_SPECS else factory_model_spec(name, model)
+    for convert in bundle.converters:
+        convert(model)
     for module in model.modules():  # a window that covers every sequence is no window (preflight)
         if getattr(module, "sliding_window", None) is not None and module.sliding_window >= spec.data.seq_len:
             module.sliding_window = None
@@ -64,18 +68,24 @@ def build_meta_model(spec: JobSpec, dims: ParallelDims) -> tuple[str, nn.Module,
             "parallelism.cp > 1 needs a model whose forward takes positions= (the global position of each "
             "token of its part of the sequence), as the built-in llama's does"
         )
-    return name, model, frozen
+    return bundle, model, frozen
 
 
 def build_model_parts(
-    whole: nn.Module, frozen: set[str], dims: ParallelDims, spec: JobSpec, device: torch.device, loss_fn
+    bundle: ModelSpec,
+    whole: nn.Module,
+    frozen: set[str],
+    dims: ParallelDims,
+    spec: JobSpec,
+    device: torch.device,
+    loss_fn,
 ) -> tuple[list[nn.Module], object | None]:
     """This rank's stages (or the whole model), each laid out and filled, and with pipeline
     parallelism the schedule over them with ``loss_fn`` on the last stage."""
     stages = apply_pp(whole, dims.pp_rank, spec) if dims.pp > 1 else [(0, whole)]
     last = spec.parallelism.pp * spec.parallelism.pp_virtual_stages - 1
     for s, part in stages:
-        parallelize(part, dims, spec, device, first=s == 0, last=s == last)
+        parallelize(part, bundle, dims, spec, device, first=s == 0, last=s == last)
         if spec.model.init_from is not None:  # pretrained weights: each rank reads its own slices
             part.init_buffers()
             load_hf_weights(part, spec.model.init_from)
@@ -105,19 +115,19 @@ def _text_record(spec: JobSpec) -> dict | None:
     return None
 
 
-def describe_model(name: str, whole: nn.Module, spec: JobSpec, device: torch.device, rank: int) -> ModelFacts:
-    """The model's record (rank 0 adds its tokenizer files), vocabulary and FLOP counts (a
-    custom factory: the 6N estimate)."""
+def describe_model(bundle: ModelSpec, whole: nn.Module, spec: JobSpec, device: torch.device, rank: int) -> ModelFacts:
+    """The model's record (rank 0 adds its tokenizer files), vocabulary and FLOP counts (the
+    family's, or for a custom factory the 6N estimate)."""
     m = spec.model
-    record = {"name": name, "config": None}
-    if rank == 0 and name in HF_FAMILIES and (text := _text_record(spec)) is not None:
+    record = {"name": bundle.name, "config": None}
+    if rank == 0 and bundle.hf is not None and (text := _text_record(spec)) is not None:
         record["text"] = text  # what an HF export writes besides weights
-    if name in list_models():
-        config = model_config(name, m.flavor, m.overrides, m.init_from)
+    if bundle.flops_per_token is not None:
+        config = model_config(bundle.name, m.flavor, m.overrides, m.init_from)
         record["config"] = dataclasses.asdict(config)
         vocab = spec.data.vocab_size or config.vocab_size
-        flops = flops_per_token(config, spec.data.seq_len)
-        flops_no_attention = flops_per_token(config, spec.data.seq_len, attention=False)
+        flops = bundle.flops_per_token(config, spec.data.seq_len)
+        flops_no_attention = bundle.flops_per_token(config, spec.data.seq_len, attention=False)
     else:
         vocab = spec.data.vocab_size
         flops = flops_no_attention = 6 * num_params(whole)

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from hpservice.dtensor import DeviceMesh
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hpservice.models import ModelSpec
 from hpservice.models.moe import moe_layers
 from hpservice.parallel import ParallelDims
 from hpservice.parallel.expert_parallel import apply_ep
@@ -65,30 +66,36 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
-    """Tensor parallelism on the 1-d "tp" mesh: the model's own plan, ``model.parallelize(tp_mesh,
-    sequence_parallel=...)`` (the built-in llama's is ``apply_llama_tp``; a custom model brings
-    one). On a meta-device model it only records layouts: each rank later allocates its pieces."""
-    parallelize = getattr(model, "parallelize", None)
-    if not callable(parallelize):
+def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec, bundle: ModelSpec) -> None:
+    """Tensor parallelism on the 1-d "tp" mesh: the plan the family's bundle declares
+    (``ModelSpec.parallelize``; the decoders': ``apply_llama_tp``). On a meta-device model it only
+    records layouts: each rank later allocates its pieces."""
+    if bundle.parallelize is None:
         raise TrainingError(
-            f"parallelism.tp > 1 needs a model with a parallelize(tp_mesh, sequence_parallel=...) method, as the "
-            f"built-in llama has; {type(model).__name__} has none"
+            f"parallelism.tp > 1 needs a tensor-parallel plan, and {bundle.name} has none (a built-in family declares "
+            "it in its ModelSpec; a custom model brings a parallelize(tp_mesh, sequence_parallel=...) method)"
         )
     try:
-        parallelize(mesh, sequence_parallel=spec.parallelism.sequence_parallel)
+        bundle.parallelize(model, mesh, spec.parallelism.sequence_parallel)
     except ValueError as e:
         raise TrainingError(str(e)) from e
 
 
 def parallelize(
-    model: nn.Module, dims: ParallelDims, spec: JobSpec, device: torch.device, *, first: bool, last: bool
+    model: nn.Module,
+    bundle: ModelSpec,
+    dims: ParallelDims,
+    spec: JobSpec,
+    device: torch.device,
+    *,
+    first: bool,
+    last: bool,
 ) -> nn.Module:
     """``model`` (the whole model or a pipeline stage, on the meta device) laid out on this
-    rank's mesh: tp, ep, activation checkpointing and compile, fully_shard (or, with tp alone,
+    rank's mesh: tp (the plan of the family's ``bundle``), ep, activation checkpointing and compile, fully_shard (or, with tp alone,
     allocated as it is). ``first`` / ``last``: whether it is the pipeline's first / last stage."""
     if dims.tp > 1:
-        apply_tp(model, dims.tp_mesh, spec)
+        apply_tp(model, dims.tp_mesh, spec, bundle)
         if spec.parallelism.sequence_parallel and not (first and last):
             pass_local_shards_between_stages(model, dims.tp_mesh, first=first, last=last)
     if dims.ep > 1:  # each layer's experts split over the ep ranks

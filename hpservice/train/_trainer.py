@@ -41,7 +41,6 @@ from ._grad_norm import clip_grad_norm_
 from ._hold import wait_while_held
 from ._loss import TokenLoss
 from ._model import build_meta_model, build_model_parts, describe_model
-from ._moe import build_post_optimizer_hooks
 from ._optimizer import build_lr_scheduler, build_optimizer
 from ._profile import StepProfiler
 from ._reporting import Reporter
@@ -101,16 +100,17 @@ class Trainer:
         # the mesh (pp x dp_replicate x dp_shard x cp x tp): the one source of layout facts
         self.parallel_dims = dims = ParallelDims.from_spec(spec.parallelism, self.world)
         self.mesh = dims.build_mesh(self.device.type)
-        self.model_name, whole, frozen = build_meta_model(spec, dims)
+        bundle, whole, frozen = build_meta_model(spec, dims)  # the family's ModelSpec
+        self.model_name = bundle.name
         self.loss = TokenLoss(
             ranks=dims.dp_size * dims.cp, batch_mesh=lambda: dims.batch_mesh, compile=spec.training.compile
         )
-        self.model_parts, self.pipeline = build_model_parts(whole, frozen, dims, spec, self.device, self.loss)
+        self.model_parts, self.pipeline = build_model_parts(bundle, whole, frozen, dims, spec, self.device, self.loss)
         self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = build_lr_scheduler(self.optimizer, spec)
-        facts = describe_model(self.model_name, whole, spec, self.device, self.rank)
+        facts = describe_model(bundle, whole, spec, self.device, self.rank)
         self.model_record, self.utilisation = facts.record, facts.utilisation
-        self.post_optimizer_hooks = build_post_optimizer_hooks(
+        self.post_optimizer_hooks = bundle.post_optimizer_hooks(
             whole,
             self.model_parts,
             dims,

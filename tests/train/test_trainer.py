@@ -421,16 +421,21 @@ def test_full_activation_checkpointing_composes_with_hsdp_offload_and_sp(ranks, 
         assert la == pytest.approx(lb, abs=1e-6) and ga == pytest.approx(gb, abs=1e-6)
 
 
-def test_tensor_parallelism_comes_from_the_models_own_plan(tmp_path):
-    """The trainer asks the model for its plan (``model.parallelize``): the built-in llama has one
-    (torchtitan's parallelize_llama), a model without one gets the reason."""
-    from hpservice.models.llama import Llama
+def test_tensor_parallelism_comes_from_the_familys_bundle(tmp_path):
+    """The trainer takes the plan the family's ModelSpec declares (the decoders': torchtitan's
+    parallelize_llama); a family without one, or a custom model without a parallelize method,
+    gets the reason."""
+    from hpservice.models import factory_model_spec, model_spec
+    from hpservice.models.llama import parallelize_llama
     from hpservice.train import apply_tp
 
-    assert callable(Llama.parallelize)
+    assert all(model_spec(n).parallelize is parallelize_llama for n in ("llama", "qwen3", "qwen3_moe", "deepseek_v3"))
     spec = _spec(tmp_path, parallelism={"tp": 2})
-    with pytest.raises(TrainingError, match=r"needs a model with a parallelize\(tp_mesh, sequence_parallel=\.\.\.\) method"):
-        apply_tp(nn.Linear(2, 2), None, spec)
+    with pytest.raises(TrainingError, match=r"needs a tensor-parallel plan, and mlp has none"):
+        apply_tp(nn.Linear(2, 2), None, spec, model_spec("mlp"))
+    bundle = factory_model_spec("pkg.mod:make", nn.Linear(2, 2))
+    with pytest.raises(TrainingError, match=r"pkg.mod:make has none .*parallelize\(tp_mesh, sequence_parallel=\.\.\.\) method"):
+        apply_tp(nn.Linear(2, 2), None, spec, bundle)
 
 
 def _fsdp_profiler_labels(kind: str) -> list[str]:

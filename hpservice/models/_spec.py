@@ -1,0 +1,52 @@
+"""``ModelSpec``: everything about one model family in one object (torchtitan's ``ModelSpec``).
+
+Each family's file declares its bundle (``MODEL_SPEC``): its model and config classes, its flavors,
+its Hugging Face names (import and export), its tensor-parallel plan, its pipeline split, the
+post-optimizer hooks it needs, and the converters applied to its meta model before it is laid out
+(where LoRA, QLoRA and float8 go). ``hpservice.models`` collects them; the model registry, the
+Hugging Face importer's family table, the family lists of the trainer and ``docs/models.md``
+derive from them, so a new family is one file (plus its tests) and a line in ``_SPECS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+__all__ = ["HFNames", "ModelSpec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFNames:
+    """How Hugging Face names the family: ``config.json``'s ``model_type`` and ``architectures``."""
+
+    model_type: str
+    architecture: str
+
+
+def _no_hooks(*_args, **_kwargs) -> list:
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: type[nn.Module]
+    config_cls: type
+    flavors: Mapping[str, Any]
+    description: str  # one line: what the family is (docs/models.md, help texts)
+    # flops_per_token(config, seq_len, attention=True) -> training FLOPs per token (MFU); None: the
+    # 6N estimate from the parameter count (a custom factory)
+    flops_per_token: Callable[..., int] | None
+    hf: HFNames | None = None  # None: no Hugging Face import/export
+    # parallelize(model, tp_mesh, sequence_parallel) lays the model out on the tp mesh in place;
+    # None: the family has no tensor-parallel plan (parallelism.tp > 1 is refused naming it)
+    parallelize: Callable[[nn.Module, Any, bool], None] | None = None
+    # post_optimizer_hooks(whole, parts, dims, microbatches=, bias_update_rate=) -> the hooks run
+    # after each optimizer step (MoE's load metrics and routing-bias update)
+    post_optimizer_hooks: Callable[..., list] = _no_hooks
+    # applied in order to the whole model on the meta device, before any layout (LoRA, float8)
+    converters: tuple[Callable[[nn.Module], None], ...] = ()
