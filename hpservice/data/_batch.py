@@ -54,10 +54,6 @@ class Batch:
             Batch(**{k: None if v is None else v[i] for k, v in parts.items()}) for i in range(len(parts["inputs"]))
         ]
 
-    def select_sequence(self, index: torch.Tensor) -> Batch:
-        """The tokens at ``index`` of each sequence (a context-parallel rank's part)."""
-        return Batch(**self._map(lambda t: t.index_select(1, index)))
-
     def num_valid(self) -> int:
         """Labels that count in the loss."""
         return int((self.labels != IGNORE_INDEX).sum())
