@@ -25,6 +25,8 @@ submit, a worker at start, an export):
   is a regular file, so a FIFO, a device or a socket named as an input never blocks a thread;
 - ``read_input(path, limit)`` refuses a file past ``limit`` bytes before reading it whole
   (``MAX_JSON_BYTES`` for configs, ``MAX_TOKENIZER_BYTES`` for a ``tokenizer.json``);
+- ``read_lines(f, limit, where)`` yields a text file's lines, refusing one past ``limit`` bytes
+  before it is held whole (``MAX_DOCUMENT_BYTES``: a JSONL record, a plain-text document);
 - ``load_json(text, where)`` refuses JSON nested deeper than ``MAX_JSON_DEPTH`` or holding more
   than ``MAX_JSON_ITEMS`` values, so what a reader then walks is bounded by structure, not only
   by bytes. Readers then keep only the keys they use, validated (``models/hf_config.py``).
@@ -43,6 +45,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = [
+    "MAX_DOCUMENT_BYTES",
+    "MAX_INDEX_BYTES",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_JSON_ITEMS",
@@ -55,10 +59,13 @@ __all__ = [
     "open_input",
     "opened_path",
     "read_input",
+    "read_lines",
 ]
 
 MAX_JSON_BYTES = 1 << 20  # config.json, generation_config.json, tokenizer_config.json: a few KiB each
 MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json: Llama 3's and Qwen's ~10 MiB, Gemma's ~33 MiB
+MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json (DeepSeek-V3's: 9 MiB), a checkpoint's manifest
+MAX_DOCUMENT_BYTES = 256 << 20  # one training document: a JSONL line, a plain-text file
 MAX_JSON_DEPTH = 32  # a model config nests 3 levels, a tokenizer.json about 6
 MAX_JSON_ITEMS = 4 << 20  # values in one JSON document (a 262k vocabulary with its merges: ~0.8M)
 
@@ -143,6 +150,15 @@ def read_input(path: str | os.PathLike, limit: int, *, within: Sequence[Path] | 
     if len(data) > limit:  # a file that grew since fstat
         raise InputFileError(f"{os.fspath(path)}: larger than {limit} bytes, more than a file of its kind holds")
     return data
+
+
+def read_lines(f, limit: int, where: str) -> Iterator[str]:
+    """The lines of the text file ``f`` (open for reading), each refused with ``InputFileError``
+    once it passes ``limit`` characters, before more of it is read."""
+    while line := f.readline(limit + 1):
+        if len(line) > limit:
+            raise InputFileError(f"{where}: a line longer than {limit} characters, more than one document may hold")
+        yield line
 
 
 def load_json(text: str | bytes, where: str, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpservice.inputs import InputError, input_dir, open_input
+from hpservice.inputs import MAX_INDEX_BYTES, InputError, input_dir, load_json, read_input
 
 from ._errors import CheckpointError
 from ._state import Model, load_optimizer_state_dict, model_state_dict, optimizer_load_targets
@@ -74,8 +73,7 @@ class CheckpointReader:
                 directory = real / "extra"
                 mine = directory / f"rank-{rank}.pt"
                 name = mine if mine.exists() else directory / "rank-0.pt"
-                with open_input(name, within=[real]) as f:
-                    return load_extra_bytes(f.read(), str(name))
+                return load_extra_bytes(read_input(name, MAX_INDEX_BYTES, within=[real]), str(name))
 
             yield SafeFileSystemReader(real), manifest, extra
 
@@ -157,13 +155,12 @@ def verify_files(path: Path, *, checksums: bool = False) -> dict:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{path} is not a committed checkpoint (no {MANIFEST})")
-    with open_input(manifest_path, "r", within=[Path(os.path.realpath(path))]) as f:
-        try:
-            manifest = json.loads(f.read())
-            files = manifest["files"]
-            names = [(str(e["name"]), int(e["size"])) for e in files]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{path}: unreadable {MANIFEST} ({e})") from e
+    try:
+        manifest = load_json(read_input(manifest_path, MAX_INDEX_BYTES, within=[Path(os.path.realpath(path))]), str(manifest_path))
+        files = manifest["files"]
+        names = [(str(e["name"]), int(e["size"])) for e in files]
+    except (ValueError, KeyError, TypeError) as e:  # InputFileError (a bound) is a ValueError
+        raise CheckpointError(f"{path}: unreadable {MANIFEST} ({e})") from e
     for name, _ in names:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{path}: its {MANIFEST} lists {name!r}, outside the checkpoint")

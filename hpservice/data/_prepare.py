@@ -27,7 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from hpservice.inputs import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, InputError, load_json, open_input, read_input
+from hpservice.inputs import (
+    MAX_DOCUMENT_BYTES,
+    MAX_JSON_BYTES,
+    MAX_TOKENIZER_BYTES,
+    InputError,
+    load_json,
+    open_input,
+    read_input,
+    read_lines,
+)
 
 from ._files import write_token_file
 
@@ -99,7 +108,7 @@ def _documents(inputs: list[Path], field: str) -> Iterator[str]:
             continue
         if path.suffix == ".jsonl":
             with open_input(path, "r") as f:
-                for n, line in enumerate(f, start=1):
+                for n, line in enumerate(read_lines(f, MAX_DOCUMENT_BYTES, str(path)), start=1):
                     if not line.strip():
                         continue
                     try:
@@ -113,7 +122,10 @@ def _documents(inputs: list[Path], field: str) -> Iterator[str]:
         else:
             try:
                 with open_input(path, "r") as f:
-                    yield f.read()
+                    text = f.read(MAX_DOCUMENT_BYTES + 1)
+                if len(text) > MAX_DOCUMENT_BYTES:
+                    raise DataPrepError(f"{path}: longer than {MAX_DOCUMENT_BYTES} characters, more than one document may hold (split it)")
+                yield text
             except UnicodeDecodeError as e:
                 raise DataPrepError(f"{path}: not UTF-8 text ({e})") from None
 

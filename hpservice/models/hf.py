@@ -36,7 +36,16 @@ from pathlib import Path
 import torch
 
 from hpservice.checkpoint._reader import CheckpointReader, dcp_load
-from hpservice.inputs import MAX_JSON_BYTES, InputError, InputFileError, load_json, open_input, opened_path, read_input
+from hpservice.inputs import (
+    MAX_INDEX_BYTES,
+    MAX_JSON_BYTES,
+    InputError,
+    InputFileError,
+    load_json,
+    open_input,
+    opened_path,
+    read_input,
+)
 
 from . import MODEL_SPECS, config_class, model_class
 from .hf_config import validated_config
@@ -322,10 +331,14 @@ class _SafetensorsDir:
         single = path / "model.safetensors"
         if index.is_file():
             try:
-                with open_input(index, "r", within=[self._real]) as f:
-                    self.where = {k: path / v for k, v in json.loads(f.read())["weight_map"].items()}
-            except (ValueError, KeyError) as e:
-                raise HFFormatError(f"{index}: not a safetensors index ({e})") from None
+                weight_map = load_json(read_input(index, MAX_INDEX_BYTES, within=[self._real]), str(index))["weight_map"]
+                if not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("weight_map's values must be file names")
+                self.where = {k: path / v for k, v in weight_map.items()}
+            except InputFileError:
+                raise
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise HFFormatError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         elif single.is_file():
             names = self._file(single).keys()  # safetensors' handle, not a dict
             self.where = dict.fromkeys(names, single)

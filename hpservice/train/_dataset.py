@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpservice.data import Batch, TokenSource, build_source
-from hpservice.inputs import open_input
+from hpservice.inputs import MAX_TOKENIZER_BYTES, read_input
 from hpservice.parallel.context_parallel import document_ids_from_eos
 
 from ._errors import TrainingError
@@ -27,8 +27,7 @@ def _file_key(path: str, tokenizer: str) -> str:
     """Names a tokenized copy: the text file's size and mtime and the tokenizer's bytes."""
     st = Path(path).stat()
     h = hashlib.sha256(f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    with open_input(tokenizer) as f:
-        h.update(f.read())
+    h.update(read_input(tokenizer, MAX_TOKENIZER_BYTES))
     return h.hexdigest()[:12]
 
 

@@ -289,6 +289,57 @@ def test_generation_config_keeps_only_generation_keys_and_is_bounded(tmp_path):
         record_from_hf(tmp_path)
 
 
+def test_every_other_reader_of_a_tenant_file_is_bounded(tmp_path, monkeypatch):
+    """The class, not only the cases above: a safetensors index, a checkpoint's manifest and
+    trainer state, a JSONL record, a plain-text document and the tokenizer a token cache is keyed
+    by are each refused past their bound (here made small) before they are held whole, and a
+    malformed index is a clear error, not a TypeError."""
+    from hpservice import inputs
+    from hpservice.checkpoint import _reader
+    from hpservice.checkpoint._errors import CheckpointError
+    from hpservice.data import _prepare
+    from hpservice.inputs import InputFileError
+    from hpservice.models import hf
+    from hpservice.train import _dataset
+
+    model = tmp_path / "model"
+    model.mkdir()
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {f"layers.{i}.w": "model-1.safetensors" for i in range(100)}}))
+    monkeypatch.setattr(hf, "MAX_INDEX_BYTES", 1000)
+    with pytest.raises(InputFileError, match="larger than 1000 bytes"):
+        hf._SafetensorsDir(model)
+    for bad in ({"weight_map": ["a"]}, [1], {"weight_map": {"a": {"b": 1}}}):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(hf.HFFormatError, match="not a safetensors index"):
+            hf._SafetensorsDir(model)
+
+    checkpoint = tmp_path / "step-1"
+    checkpoint.mkdir()
+    (checkpoint / "manifest.json").write_text(json.dumps({"files": [{"name": f"f{i}", "size": 1} for i in range(100)]}))
+    monkeypatch.setattr(_reader, "MAX_INDEX_BYTES", 1000)
+    with pytest.raises(CheckpointError, match="larger than 1000 bytes"):
+        _reader.verify_files(checkpoint)
+
+    monkeypatch.setattr(_prepare, "MAX_DOCUMENT_BYTES", 100)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 10_000}) + "\n")
+    documents = _prepare._documents([jsonl], "text")
+    assert next(documents) == "short"
+    with pytest.raises(InputFileError, match="docs.jsonl: a line longer than 100 characters"):
+        next(documents)
+    text = tmp_path / "book.txt"
+    text.write_text("x" * 10_000)
+    with pytest.raises(_prepare.DataPrepError, match="book.txt: longer than 100 characters"):
+        list(_prepare._documents([text], "text"))
+
+    tokenizer = tmp_path / "tokenizer.json"
+    with open(tokenizer, "wb") as f:  # sparse: past the bound without writing it
+        f.truncate(inputs.MAX_TOKENIZER_BYTES + 1)
+    with pytest.raises(InputFileError, match="larger than"):
+        _dataset._file_key(str(text), str(tokenizer))
+
+
 # ---- 8. storage: checkpoints kept, bytes per job and per owner, log lines ---------------------
 
 
