@@ -326,11 +326,11 @@ def test_every_other_reader_of_a_tenant_file_is_bounded(tmp_path, monkeypatch):
     jsonl.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 10_000}) + "\n")
     documents = _prepare._documents([jsonl], "text")
     assert next(documents) == "short"
-    with pytest.raises(InputFileError, match="docs.jsonl: a line longer than 100 characters"):
+    with pytest.raises(InputFileError, match=r"docs\.jsonl: a line longer than 100 characters"):
         next(documents)
     text = tmp_path / "book.txt"
     text.write_text("x" * 10_000)
-    with pytest.raises(_prepare.DataPrepError, match="book.txt: longer than 100 characters"):
+    with pytest.raises(_prepare.DataPrepError, match=r"book\.txt: longer than 100 characters"):
         list(_prepare._documents([text], "text"))
 
     tokenizer = tmp_path / "tokenizer.json"
