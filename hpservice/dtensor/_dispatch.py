@@ -53,6 +53,13 @@ class _OpInfo(NamedTuple):
     is_view: bool
 
 
+class IMPLICIT_REPLICATION:
+    """Whether plain tensors mixed with DTensors are taken as replicated
+    (``hpservice.dtensor.experimental.implicit_replication``)."""
+
+    enabled = False
+
+
 @functools.lru_cache(maxsize=4096)
 def _op_info(func) -> _OpInfo:
     rule, scalar_free = rule_for(func)
@@ -77,8 +84,8 @@ def dispatch(func, args: tuple, kwargs: dict):
     if not info.per_element and any(isinstance(a, list | tuple) for a in args):
         args = tuple(_list_operands(func, a) if isinstance(a, list | tuple) else a for a in args)
     ops = _flatten(args, info)
-    if ops.plain is not None and ops.dts and _is_one_element(ops.plain):  # off the path of every other op
-        ops = _flatten(_one_element_replicated(args, ops.dts[0]._spec.mesh), info)
+    if ops.plain is not None and ops.dts and (_is_one_element(ops.plain) or IMPLICIT_REPLICATION.enabled):
+        ops = _flatten(_plain_replicated(args, ops.dts[0]._spec.mesh), info)  # off the path of every other op
     dts = ops.dts
     if ops.plain is not None and dts:  # torch checks the mix before any sharding rule: RuntimeError
         raise _mixed(func, dts, ops.plain)
@@ -241,10 +248,17 @@ def _replicated_plain(x: torch.Tensor, mesh) -> DTensor:
     return DTensor(x, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape)), requires_grad=False)
 
 
-def _one_element_replicated(args: tuple, mesh) -> tuple:
-    """``args`` with each top-level one-element plain tensor a Replicate DTensor on ``mesh``
-    (tensor lists: ``_list_operands``)."""
-    return tuple(_replicated_plain(a, mesh) if _is_one_element(a) else a for a in args)
+def _plain_replicated(args: tuple, mesh) -> tuple:
+    """``args`` with each top-level one-element plain tensor (every non-0-d plain tensor under
+    ``implicit_replication``) a Replicate DTensor on ``mesh`` (tensor lists: ``_list_operands``)."""
+    implicit = IMPLICIT_REPLICATION.enabled
+
+    def replicated(a) -> bool:
+        if implicit:
+            return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
+        return _is_one_element(a)
+
+    return tuple(_replicated_plain(a, mesh) if replicated(a) else a for a in args)
 
 
 def _list_operands(func, items):
@@ -264,7 +278,7 @@ def _list_operands(func, items):
     out = []
     for x in items:
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-            if x.ndim > 0 and x.any() and not _is_one_element(x):
+            if x.ndim > 0 and not IMPLICIT_REPLICATION.enabled and not _is_one_element(x) and x.any():
                 raise _mixed(func, [d for d in items if isinstance(d, DTensor)], x, in_list=True)
             x = _replicated_plain(x, mesh)
         out.append(x)
