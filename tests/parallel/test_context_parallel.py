@@ -257,8 +257,12 @@ def test_training_with_context_parallelism_equals_one_process(ranks, tmp_path, w
     for (loss, norm), (loss1, norm1) in zip(ours, one, strict=True):
         assert loss == pytest.approx(loss1, abs=1e-5) and norm == pytest.approx(norm1, abs=1e-5), (ours, one)
     assert one_weights.keys() == weights.keys()
+    # Ring attention merges blocks by their log-sum-exp where one process runs SDPA whole, and the
+    # CPU's SDPA kernel rounds by its vector width: after 8 AdamW steps (which divide by sqrt(v))
+    # weights differ by up to 2.1e-5 on an AMD EPYC (under 1e-5 elsewhere); losses and norms above
+    # stay within 1e-5.
     for k in one_weights:
-        assert (weights[k] - one_weights[k]).abs().max().item() < 1e-5, k
+        assert (weights[k] - one_weights[k]).abs().max().item() < 5e-5, k
 
 
 def test_context_parallelism_with_bf16_parameters_follows_one_process(ranks, tmp_path):
