@@ -41,6 +41,7 @@ from pathlib import Path
 
 from hpservice.parallel_dims import ParallelDims
 from hpservice.spec import JobSpec, SpecError, did_you_mean
+from hpservice.spec.composition import refusals
 
 Errors = list[tuple[str, str]]
 
@@ -291,26 +292,15 @@ def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
 
 
 def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
-    """Settings that parse one by one but cannot run together, from the spec and the model's config
-    where it is known (a built-in's flavor and overrides anywhere; ``model.init_from``'s
-    config.json only with ``read_files``, on the machine the job runs on):
-
-    - a custom factory on synthetic data needs ``data.vocab_size`` (a built-in's is its config's);
-    - a sliding window shorter than ``data.seq_len`` (Mistral's checkpoints mostly have 4096) is
-      not built under ``parallelism.cp`` or ``data.document_mask``; a window at least
-      ``seq_len`` long is no window and composes with both (the trainer drops it)."""
-    errors: Errors = []
+    """The composition table's rules that need the model's config
+    (``hpservice.spec.composition``, scope ``model``: a factory's vocabulary, a sliding window
+    against cp and document masks), and ``seq_len`` against the model's positions, from a
+    built-in's flavor and overrides anywhere and ``model.init_from``'s config.json only with
+    ``read_files`` (on the machine the job runs on)."""
     name = spec.model.name
-    if name is not None and ":" in name:
-        for where, d in (("data", spec.data), ("eval.data", spec.eval.data)):
-            if d is not None and d.kind == "synthetic" and d.vocab_size is None:
-                errors.append((
-                    f"{where}.vocab_size",
-                    f"required with a custom model ({name}) on synthetic data: a built-in model's comes from its "
-                    "config, a factory's is not known before it is built",
-                ))  # fmt: skip
-        return errors
-    cfg = known_config(spec, read_files)
+    custom = name is not None and ":" in name
+    cfg = None if custom else known_config(spec, read_files)
+    errors: Errors = list(refusals("model", spec, cfg))
     if cfg is None:
         return errors
     max_len = getattr(cfg, "max_seq_len", None)
@@ -321,15 +311,6 @@ def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
                 f"{d.seq_len} is longer than the model's {max_len} positions ({_max_len_field(spec)}); use at most "
                 f"{max_len}",
             ))  # fmt: skip
-    window, seq_len = getattr(cfg, "sliding_window", None), spec.data.seq_len
-    if window is not None and window < seq_len:
-        for field, on in (("parallelism.cp", spec.parallelism.cp > 1), ("data.document_mask", spec.data.document_mask)):
-            if on:
-                errors.append((
-                    field,
-                    f"the model's sliding_window ({window}) is shorter than data.seq_len ({seq_len}): sliding-window "
-                    f"attention with {field} is not built yet; turn {field} off, or train with data.seq_len <= {window}",
-                ))  # fmt: skip
     return errors
 
 

@@ -52,6 +52,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hpservice.spec.composition import refusal
+
 from .._graph_break import eager_under_compile
 
 __all__ = [
@@ -358,10 +360,8 @@ def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: flo
         if not is_causal:
             raise ValueError("scaled_dot_product_attention: a sliding window needs is_causal=True")
         if _ACTIVE:
-            raise NotImplementedError(
-                "sliding-window attention (the model's sliding_window) with context parallelism or "
-                "data.document_mask is not built yet"
-            )
+            field = "data.document_mask" if _ACTIVE[-1].attention.get("group") is LOCAL else "parallelism.cp"
+            raise NotImplementedError(refusal("sliding_window_with_cp_or_documents", window=window, field=field))
         length = q.shape[-2]
         if length > window:
             i = torch.arange(length, device=q.device)

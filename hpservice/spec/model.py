@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .composition import refusals
+
 _MAX_PATH = 4096  # characters in a path or URL field
 INT64 = (-(1 << 63), (1 << 63) - 1)  # integers are stored as int64
 MAX_OVERRIDES_BYTES = 64 << 10
@@ -255,15 +257,9 @@ class ParallelismSpec(_Section):
         return v
 
     @model_validator(mode="after")
-    def _sequence_parallel_needs_tp(self):
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("parallelism.sequence_parallel needs tp > 1 (it shards over the tensor-parallel ranks)")
-        return self
-
-    @model_validator(mode="after")
-    def _expert_parallel_composes_with_what_is_built(self):
-        if self.ep > 1 and (self.pp > 1 or self.cp > 1):
-            raise ValueError("parallelism.ep > 1 with pp > 1 or cp > 1 is not built yet; use ep with dp, HSDP and tp")
+    def _composes(self):
+        for field, message in refusals("parallelism", self):  # the composition table's rules of this section
+            raise ValueError(f"{field}: {message}")
         return self
 
     @model_validator(mode="after")
@@ -275,8 +271,6 @@ class ParallelismSpec(_Section):
             if self.pp_virtual_stages != 1:
                 raise ValueError("parallelism.pp_virtual_stages needs pp > 1")
             return self
-        if self.cp > 1:
-            raise ValueError("parallelism.pp > 1 with cp > 1 is not built yet; use one of them")
         if self.pp_virtual_stages > 1 and self.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
             raise ValueError(
                 f"parallelism.pp_virtual_stages {self.pp_virtual_stages}: several stages per rank need pp_schedule "
@@ -626,14 +620,9 @@ class JobSpec(_Section):
         return self
 
     @model_validator(mode="after")
-    def _compile_composes(self):
-        cp = self.parallelism.cp
-        for where, data in (("data", self.data), ("eval.data", self.eval.data)):
-            if cp > 1 and data is not None and data.seq_len % (2 * cp):
-                raise ValueError(
-                    f"{where}.seq_len: {data.seq_len} is not divisible by 2 x parallelism.cp = {2 * cp} (context "
-                    "parallelism gives each rank a head and a tail chunk of every sequence)"
-                )
+    def _composes(self):
+        for field, message in refusals("job", self):  # the composition table's rules over sections
+            raise ValueError(f"{field}: {message}")
         return self
 
     @model_validator(mode="after")

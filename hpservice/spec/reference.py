@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from .composition import markdown_table
 from .model import JobSpec
 
 
@@ -52,4 +53,13 @@ def fields_reference() -> str:
             section(model_, prefix_)
 
     section(JobSpec, "")
+    lines += [
+        "",
+        "## What does not compose",
+        "",
+        "Settings that are valid one by one but cannot run together (`hpservice/spec/composition.py`,",
+        "the one table the spec, the preflight and the trainer read):",
+        "",
+        markdown_table().rstrip("\n"),
+    ]
     return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ from hpservice.models.moe import moe_layers
 from hpservice.parallel import ParallelDims
 from hpservice.parallel.expert_parallel import apply_ep
 from hpservice.spec import JobSpec
+from hpservice.spec.composition import refusal
 
 from ._activation_checkpointing import apply_activation_checkpointing
 from ._compile import apply_compile
@@ -118,9 +119,6 @@ def parallelize(
         apply_fsdp(model, dims.dp_mesh, spec)
     else:  # tp alone: allocate each rank's pieces (the styles re-install their gradient hooks)
         if spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
-            raise TrainingError(
-                "parallelism.mixed_precision and cpu_offload come from fully_shard: with tp alone (data-parallel "
-                "size 1) they are not built yet; use dp_shard >= 2 or set them to none/false"
-            )
+            raise TrainingError(refusal("fsdp_options_without_dp"))
         model.to_empty(device=device)
     return model

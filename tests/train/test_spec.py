@@ -32,7 +32,7 @@ def test_defaults_and_aliases():
         ({"name": "a", "model": {"flavour": "tiny"}}, "model.flavour", "unknown field (did you mean 'flavor'?)"),
         ({"name": "a", "parallelism": {"dp_shard": 0}}, "parallelism.dp_shard", "-1"),
         ({"name": "a", "parallelism": {"tp": 0}}, "parallelism.tp", "greater than or equal to 1"),
-        ({"name": "a", "parallelism": {"sequence_parallel": True}}, "parallelism", "needs tp > 1"),
+        ({"name": "a", "parallelism": {"sequence_parallel": True}}, "parallelism.sequence_parallel", "needs tp > 1"),
         ({"name": "a", "data": {"kind": "tokens"}}, "data", "data.path is required"),
         ({"name": "a", "data": {"kind": "parquet"}}, "data.kind", "'synthetic', 'tokens' or 'text'"),
         ({"name": "bad name!"}, "name", "should match pattern"),

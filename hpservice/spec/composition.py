@@ -1,0 +1,178 @@
+"""What composes with what: every setting that parses on its own but cannot run with another.
+
+One table (``COMPOSITIONS``), read by every layer that must refuse or explain a combination:
+
+- the spec (``model.py``) checks the rules of its ``parallelism`` section and of the whole job
+  when a spec is parsed, so ``validate``, ``run`` and ``submit`` refuse them alike;
+- the preflight (``hpservice.preflight.check_composition``) checks the rules that need the
+  model's config (a window length, a factory's vocabulary), once that config is known;
+- the runtime raises the same rule's message where it meets the combination anyway (a job built
+  in code, without a spec: ``refusal(rule_id, ...)``);
+- the docs print the table (``docs/jobspec.md``, from ``markdown_table``).
+
+Each rule names the field a refusal is reported at, what it does not compose with, and what to do
+instead. A rule whose combination gets built is deleted here, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+__all__ = ["COMPOSITIONS", "Composition", "markdown_table", "refusal", "refusals"]
+
+Scope = Literal["parallelism", "job", "model", "runtime"]
+_WHEN = {
+    "parallelism": "when the spec is parsed",
+    "job": "when the spec is parsed",
+    "model": "at preflight (validate, run, submit), once the model's config is known",
+    "runtime": "when the job builds its layout",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+    """A combination that is refused. ``fields(subject, cfg)`` lists the fields at which
+    ``subject`` (by ``scope``: the ``parallelism`` section, the whole job, the job with its model's
+    config ``cfg``) holds it, none when it does not; ``message`` is formatted with
+    ``facts(subject, cfg)`` and the ``field``."""
+
+    id: str
+    scope: Scope
+    combination: str  # for the docs: what does not compose
+    message: str
+    fields: Callable[[Any, Any], list[str]]
+    facts: Callable[[Any, Any], dict] = lambda subject, cfg: {}
+
+
+def _sections(spec, name: str) -> list[tuple[str, Any]]:
+    """``data`` and, where set, ``eval.data``, as (prefix, section)."""
+    found = [("data", spec.data)]
+    if spec.eval.data is not None:
+        found.append(("eval.data", spec.eval.data))
+    return [(where, d) for where, d in found if d is not None]
+
+
+def _seq_len_not_divisible(spec, _) -> list[str]:
+    cp = spec.parallelism.cp
+    return [f"{where}.seq_len" for where, d in _sections(spec, "data") if cp > 1 and d.seq_len % (2 * cp)]
+
+
+def _synthetic_without_vocab(spec, _) -> list[str]:
+    if spec.model.name is None or ":" not in spec.model.name:
+        return []
+    return [
+        f"{where}.vocab_size" for where, d in _sections(spec, "data") if d.kind == "synthetic" and d.vocab_size is None
+    ]
+
+
+def _short_window(spec, cfg) -> list[str]:
+    window = getattr(cfg, "sliding_window", None)  # cfg is None for a custom model
+    if window is None or window >= spec.data.seq_len:
+        return []
+    on = {"parallelism.cp": spec.parallelism.cp > 1, "data.document_mask": spec.data.document_mask}
+    return [field for field, used in on.items() if used]
+
+
+COMPOSITIONS: tuple[Composition, ...] = (
+    Composition(
+        id="sequence_parallel_needs_tp",
+        scope="parallelism",
+        combination="`sequence_parallel: true` with `tp: 1`",
+        message="needs tp > 1 (it shards over the tensor-parallel ranks)",
+        fields=lambda p, _: ["parallelism.sequence_parallel"] if p.sequence_parallel and p.tp == 1 else [],
+    ),
+    Composition(
+        id="ep_with_pp_or_cp",
+        scope="parallelism",
+        combination="`ep > 1` with `pp > 1` or `cp > 1`",
+        message="ep > 1 with pp > 1 or cp > 1 is not built yet; use ep with dp, HSDP and tp",
+        fields=lambda p, _: ["parallelism.ep"] if p.ep > 1 and (p.pp > 1 or p.cp > 1) else [],
+    ),
+    Composition(
+        id="pp_with_cp",
+        scope="parallelism",
+        combination="`pp > 1` with `cp > 1`",
+        message="pp > 1 with cp > 1 is not built yet; use one of them",
+        fields=lambda p, _: ["parallelism.pp"] if p.pp > 1 and p.cp > 1 else [],
+    ),
+    Composition(
+        id="cp_seq_len",
+        scope="job",
+        combination="`cp > 1` with a `seq_len` (of `data` or `eval.data`) not divisible by `2 x cp`",
+        message="{seq_len} is not divisible by 2 x parallelism.cp = {chunks} (context parallelism gives each rank a "
+        "head and a tail chunk of every sequence)",
+        fields=_seq_len_not_divisible,
+        facts=lambda spec, _: {"chunks": 2 * spec.parallelism.cp},
+    ),
+    Composition(
+        id="factory_synthetic_vocab",
+        scope="model",  # after admission: a factory outside the allowlist is refused as that first
+        combination="a custom model (`model.name: pkg.mod:fn`) on synthetic data without `vocab_size`",
+        message="required with a custom model ({name}) on synthetic data: a built-in model's comes from its config, "
+        "a factory's is not known before it is built",
+        fields=_synthetic_without_vocab,
+        facts=lambda spec, _: {"name": spec.model.name},
+    ),
+    Composition(
+        id="sliding_window_with_cp_or_documents",
+        scope="model",
+        combination="a model `sliding_window` shorter than `data.seq_len` with `cp > 1` or `data.document_mask`",
+        message="the model's sliding_window ({window}) is shorter than data.seq_len ({seq_len}): sliding-window "
+        "attention with {field} is not built yet; turn {field} off, or train with data.seq_len <= {window}",
+        fields=_short_window,
+        facts=lambda spec, cfg: {"window": getattr(cfg, "sliding_window", None), "seq_len": spec.data.seq_len},
+    ),
+    Composition(
+        id="fsdp_options_without_dp",
+        scope="runtime",
+        combination="`mixed_precision` or `cpu_offload` with no data-parallel dim (tp alone)",
+        message="parallelism.mixed_precision and cpu_offload come from fully_shard: with tp alone (data-parallel size "
+        "1) they are not built yet; use dp_shard >= 2 or set them to none/false",
+        fields=lambda spec, _: [],  # the layout's sizes are known when it is built (hpservice/train/_parallelize.py)
+    ),
+)
+
+_BY_ID = {c.id: c for c in COMPOSITIONS}
+
+
+class _Named(dict):
+    def __missing__(self, key: str) -> str:
+        return f"<{key}>"
+
+
+def refusal(rule_id: str, **facts) -> str:
+    """The message of rule ``rule_id`` with the ``facts`` the caller knows (a fact it does not
+    know reads ``<name>``): the runtime's refusal, in the table's wording."""
+    return _BY_ID[rule_id].message.format_map(_Named(facts))
+
+
+def refusals(scope: Scope, subject: Any, cfg: Any = None) -> list[tuple[str, str]]:
+    """(field, message) of every rule of ``scope`` that ``subject`` holds, for each field it names."""
+    out = []
+    for rule in COMPOSITIONS:
+        if rule.scope != scope:
+            continue
+        for field in rule.fields(subject, cfg):
+            facts = rule.facts(subject, cfg)
+            if field.endswith(".seq_len") and "seq_len" not in facts:
+                facts = {**facts, "seq_len": _at(subject, field)}
+            out.append((field, rule.message.format(field=field, **facts)))
+    return out
+
+
+def _at(spec, path: str):
+    value = spec
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def markdown_table() -> str:
+    """The table for the docs: what does not compose, when it is refused, and what it says."""
+    lines = ["| does not compose | refused | says |", "|---|---|---|"]
+    for rule in COMPOSITIONS:
+        message = rule.message.replace("{", "<").replace("}", ">").replace("|", "/")
+        lines.append(f"| {rule.combination} | {_WHEN[rule.scope]} | {message} |")
+    return "\n".join(lines) + "\n"
