@@ -292,9 +292,8 @@ def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
 
 
 def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
-    """The composition table's rules that need the model's config
-    (``hpservice.spec.composition``, scope ``model``: a factory's vocabulary, a sliding window
-    against cp and document masks), and ``seq_len`` against the model's positions, from a
+    """The composition table's rules that need the model (``hpservice.spec.composition``, scope
+    ``model``: a factory's vocabulary), and ``seq_len`` against the model's positions, from a
     built-in's flavor and overrides anywhere and ``model.init_from``'s config.json only with
     ``read_files`` (on the machine the job runs on)."""
     name = spec.model.name

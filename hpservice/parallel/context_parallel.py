@@ -52,8 +52,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hpservice.spec.composition import refusal
-
 from .._graph_break import eager_under_compile
 
 __all__ = [
@@ -161,16 +159,26 @@ def _merge(out, lse, part_out, part_lse):
     return torch.exp(lse - new) * out + torch.exp(part_lse - new) * part_out, new
 
 
-def _pair_mask(q_chunk, k_chunk, size, causal, q_docs, k_docs, device):
+def _pair_mask(q_chunk, k_chunk, size, causal, window, q_docs, k_docs, device):
     """The mask of one chunk pair ([B or 1, 1, size, size] bools; None: attend to all), or
     False when there is nothing to compute: the key chunk wholly after the query chunk (causal),
-    or no document in common."""
+    wholly ``window`` or more tokens before it, or no document in common. Chunk ``c`` holds the
+    global positions ``[c * size, (c + 1) * size)``, so a query's distance to a key is
+    ``(q_chunk - k_chunk) * size + a - b`` for in-chunk rows ``a`` and columns ``b``."""
     mask = None
+    base = (q_chunk - k_chunk) * size
     if causal:
         if k_chunk > q_chunk:
             return False
-        if k_chunk == q_chunk:
-            mask = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
+        if window is not None and base - (size - 1) >= window:  # the nearest pair is too far back
+            return False
+        if k_chunk == q_chunk or (window is not None and base + size - 1 >= window):
+            i = torch.arange(size, device=device)
+            offset = base + i[:, None] - i[None, :]
+            mask = offset >= 0
+            if window is not None:
+                mask = mask & (offset < window)
+            mask = mask[None, None]
     if q_docs is not None:
         same = (q_docs[:, :, None] == k_docs[:, None, :])[:, None]  # [B, 1, size, size]
         mask = same if mask is None else mask & same
@@ -183,8 +191,8 @@ class _Ring:
     """One call's layout: which chunk pairs to compute for a key/value block from rank ``src``,
     with which mask."""
 
-    def __init__(self, q, group, is_causal, document_ids, load_balance):
-        self.group, self.is_causal, self.load_balance = group, is_causal, load_balance
+    def __init__(self, q, group, is_causal, document_ids, load_balance, window=None):
+        self.group, self.is_causal, self.load_balance, self.window = group, is_causal, load_balance, window
         self.local = group is LOCAL
         if self.local:  # one rank, the whole sequence in blocks of LOCAL_BLOCK tokens
             self.cp, self.rank = 1, 0
@@ -207,7 +215,7 @@ class _Ring:
         k_docs = docs_blk.split(self.size, dim=-1) if docs_blk is not None else (None,) * self.n
         for i, qc in enumerate(self.mine):
             for j, kc in enumerate(self.mine if self.local else chunks_of(self.cp, src, self.load_balance)):
-                mask = _pair_mask(qc, kc, self.size, self.is_causal, self.q_docs[i], k_docs[j], self.device)
+                mask = _pair_mask(qc, kc, self.size, self.is_causal, self.window, self.q_docs[i], k_docs[j], self.device)
                 if mask is not False:
                     yield i, j, mask
 
@@ -220,8 +228,8 @@ class _RingAttention(torch.autograd.Function):
     is kept between forward and backward: memory is q, k, v, out and lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, document_ids, group, is_causal, scale, load_balance, rotate):
-        ring = _Ring(q, group, is_causal, document_ids, load_balance)
+    def forward(ctx, q, k, v, document_ids, group, is_causal, scale, load_balance, rotate, window):
+        ring = _Ring(q, group, is_causal, document_ids, load_balance, window)
         size = ring.size
         q_parts = q.split(size, dim=-2)
         outs, lses = [None] * ring.n, [None] * ring.n
@@ -279,7 +287,7 @@ class _RingAttention(torch.autograd.Function):
                 dv_blk = dv_hop if dv_blk is None else dv_blk + dv_hop
             # the last block held is rank + 1's: one more hop takes its gradients home
             dk, dv = (_shift(dk_blk, ring.group, +1), _shift(dv_blk, ring.group, +1)) if ring.cp > 1 else (dk_blk, dv_blk)
-        return torch.cat(dq_parts, dim=-2), dk, dv, None, None, None, None, None, None
+        return torch.cat(dq_parts, dim=-2), dk, dv, None, None, None, None, None, None, None
 
 
 def _blocks(ring: _Ring, k, v, document_ids, rotate):
@@ -309,17 +317,21 @@ def ring_attention(
     scale: float | None = None,
     load_balance: bool = True,
     rotate: str = "ring",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries to the keys/values of the whole sequence, sharded over
     ``group`` as ``shard_sequence`` lays it out. ``q``: ``[B, H, S/cp, D]``; ``k``, ``v``: the
     same heads (expand grouped-query heads first, as for SDPA). Equals
     ``F.scaled_dot_product_attention`` on the whole sequence (``is_causal``), restricted to tokens
-    of one document where ``document_ids`` ([B, S/cp], sharded the same way) is given; returns this
-    rank's rows of it. Differentiable in q, k and v."""
+    of one document where ``document_ids`` ([B, S/cp], sharded the same way) is given, and to the
+    ``window`` keys up to and including its own position where ``window`` is given (a sliding
+    window, causal only); returns this rank's rows of it. Differentiable in q, k and v."""
     if rotate not in ("ring", "allgather"):
         raise ValueError(f"rotate: expected 'ring' or 'allgather', got {rotate!r}")
+    if window is not None and (not is_causal or window < 1):
+        raise ValueError(f"window: a sliding window needs is_causal=True and window >= 1, got {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, document_ids, group, is_causal, scale, load_balance, rotate)
+    return _RingAttention.apply(q, k, v, document_ids, group, is_causal, scale, load_balance, rotate, window)
 
 
 # ---- packed documents on one rank ---------------------------------------------------------------
@@ -354,14 +366,14 @@ def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: flo
     """``F.scaled_dot_product_attention`` (no mask, no dropout), or ring attention over the cp
     ranks inside ``context_parallel`` (blockwise document attention inside ``document_masking``):
     what the built-in models call. ``window`` (causal only): each query attends to its own key
-    and the ``window - 1`` before it (Mistral's sliding window), as a boolean mask when the
-    sequence is longer than the window."""
+    and the ``window - 1`` before it (Mistral's sliding window): a boolean mask for SDPA when the
+    sequence is longer than the window, a condition of each chunk pair's mask under ring or
+    blockwise attention."""
     if window is not None:
         if not is_causal:
             raise ValueError("scaled_dot_product_attention: a sliding window needs is_causal=True")
         if _ACTIVE:
-            field = "data.document_mask" if _ACTIVE[-1].attention.get("group") is LOCAL else "parallelism.cp"
-            raise NotImplementedError(refusal("sliding_window_with_cp_or_documents", window=window, field=field))
+            return _ring_attention_eagerly(q, k, v, is_causal, scale, window)
         length = q.shape[-2]
         if length > window:
             i = torch.arange(length, device=q.device)
@@ -374,12 +386,12 @@ def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: flo
 
 
 @eager_under_compile
-def _ring_attention_eagerly(q, k, v, is_causal, scale):
+def _ring_attention_eagerly(q, k, v, is_causal, scale, window=None):
     """Outside what torch.compile traces (its collectives and loops run as Python): a compiled
     block runs up to attention, this, then the rest."""
     active = _ACTIVE[-1]
     active.calls += 1
-    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, **active.attention)
+    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, window=window, **active.attention)
 
 
 class ActiveAttention:

@@ -5,7 +5,7 @@ One table (``COMPOSITIONS``), read by every layer that must refuse or explain a 
 - the spec (``model.py``) checks the rules of its ``parallelism`` section and of the whole job
   when a spec is parsed, so ``validate``, ``run`` and ``submit`` refuse them alike;
 - the preflight (``hpservice.preflight.check_composition``) checks the rules that need the
-  model's config (a window length, a factory's vocabulary), once that config is known;
+  model (a factory's vocabulary), once it is known;
 - the runtime raises the same rule's message where it meets the combination anyway (a job built
   in code, without a spec: ``refusal(rule_id, ...)``);
 - the docs print the table (``docs/jobspec.md``, from ``markdown_table``).
@@ -67,14 +67,6 @@ def _synthetic_without_vocab(spec, _) -> list[str]:
     ]
 
 
-def _short_window(spec, cfg) -> list[str]:
-    window = getattr(cfg, "sliding_window", None)  # cfg is None for a custom model
-    if window is None or window >= spec.data.seq_len:
-        return []
-    on = {"parallelism.cp": spec.parallelism.cp > 1, "data.document_mask": spec.data.document_mask}
-    return [field for field, used in on.items() if used]
-
-
 COMPOSITIONS: tuple[Composition, ...] = (
     Composition(
         id="sequence_parallel_needs_tp",
@@ -114,15 +106,6 @@ COMPOSITIONS: tuple[Composition, ...] = (
         "a factory's is not known before it is built",
         fields=_synthetic_without_vocab,
         facts=lambda spec, _: {"name": spec.model.name},
-    ),
-    Composition(
-        id="sliding_window_with_cp_or_documents",
-        scope="model",
-        combination="a model `sliding_window` shorter than `data.seq_len` with `cp > 1` or `data.document_mask`",
-        message="the model's sliding_window ({window}) is shorter than data.seq_len ({seq_len}): sliding-window "
-        "attention with {field} is not built yet; turn {field} off, or train with data.seq_len <= {window}",
-        fields=_short_window,
-        facts=lambda spec, cfg: {"window": getattr(cfg, "sliding_window", None), "seq_len": spec.data.seq_len},
     ),
     Composition(
         id="fsdp_options_without_dp",

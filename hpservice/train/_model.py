@@ -59,7 +59,7 @@ def build_meta_model(spec: JobSpec, dims: ParallelDims) -> tuple[ModelSpec, nn.M
     bundle = MODEL_SPECS[name] if name in MODEL_SPECS else factory_model_spec(name, model)
     for convert in bundle.converters:
         convert(model)
-    for module in model.modules():  # a window that covers every sequence is no window (preflight)
+    for module in model.modules():  # a window that covers every sequence is no window: no mask to build
         if getattr(module, "sliding_window", None) is not None and module.sliding_window >= spec.data.seq_len:
             module.sliding_window = None
     frozen = set(freeze(model, spec.training.freeze))

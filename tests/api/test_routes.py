@@ -39,11 +39,10 @@ def test_submit_json_and_yaml(tmp_path):
         ('{"name": ', "application/json", None, "JSON syntax error at line 1"),
         ("[1, 2]", "application/json", None, "expected a mapping"),
         (
-            '{"name": "x", "model": {"name": "mistral", "flavor": "tiny"}, "data": {"seq_len": 32}, '
-            '"parallelism": {"cp": 2}, "resources": {"workers": 2}}',
+            '{"name": "x", "parallelism": {"pp": 2, "cp": 2}, "resources": {"workers": 4}}',
             "application/json",
-            "parallelism.cp",
-            "sliding_window (16) is shorter than data.seq_len (32)",
+            "parallelism.pp",
+            "pp > 1 with cp > 1 is not built yet",
         ),
     ],
 )

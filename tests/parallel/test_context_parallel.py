@@ -21,29 +21,39 @@ def _inputs(seed=0, B=2, H=3, S=48, D=8, docs=False):
     return q, k, v, weight, document_ids
 
 
-def _reference(q, k, v, weight, document_ids, is_causal):
-    """One device, torch's SDPA (an explicit mask only for documents)."""
+def _reference(q, k, v, weight, document_ids, is_causal, window=None):
+    """One device, torch's SDPA (an explicit mask only for documents and sliding windows)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    mask = None
+    mask, S = None, q.shape[-2]
     if document_ids is not None:
-        S = q.shape[-2]
         mask = (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
         if is_causal:
             mask = mask & torch.ones(S, S, dtype=torch.bool).tril()
+    if window is not None:  # Mistral's: a query sees its own key and the window - 1 before it
+        offset = torch.arange(S)[:, None] - torch.arange(S)[None, :]
+        band = (offset >= 0) & (offset < window)
+        mask = band if mask is None else mask & band
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
     (out * weight).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _ring(is_causal, load_balance, rotate, docs, S):
+def _ring(is_causal, load_balance, rotate, docs, S, window=None):
     rank, cp = dist.get_rank(), dist.get_world_size()
     q, k, v, weight, document_ids = _inputs(S=S, docs=docs)
-    expected = _reference(q, k, v, weight, document_ids, is_causal)
+    expected = _reference(q, k, v, weight, document_ids, is_causal, window)
     shard = lambda t, dim=2: shard_sequence(t, dim, cp, rank, load_balance=load_balance)  # noqa: E731
     lq, lk, lv = (shard(t).requires_grad_() for t in (q, k, v))
     docs_local = shard(document_ids, 1) if document_ids is not None else None
     out = ring_attention(
-        lq, lk, lv, is_causal=is_causal, document_ids=docs_local, load_balance=load_balance, rotate=rotate
+        lq,
+        lk,
+        lv,
+        is_causal=is_causal,
+        document_ids=docs_local,
+        load_balance=load_balance,
+        rotate=rotate,
+        window=window,
     )
     (out * shard(weight)).sum().backward()
     got = [out.detach(), lq.grad, lk.grad, lv.grad]
@@ -65,6 +75,20 @@ def _ring(is_causal, load_balance, rotate, docs, S):
 )
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(ranks, cp, is_causal, load_balance, rotate, docs):
     for errors in ranks(cp).run(_ring, is_causal, load_balance, rotate, docs, 48):
+        assert max(errors) < 1e-5, errors  # out, dq, dk, dv
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(
+    ("window", "load_balance", "rotate", "docs"),
+    [(5, True, "ring", False), (13, False, "ring", True), (6, True, "allgather", True), (1, True, "ring", False),
+     (40, True, "ring", False)],
+)  # fmt: skip
+def test_a_sliding_window_under_ring_attention_equals_sdpa_with_the_window_mask(
+    ranks, cp, window, load_balance, rotate, docs
+):
+    # chunks of 6 (cp 4, load-balanced) or 12 tokens: windows shorter, longer and across several chunks
+    for errors in ranks(cp).run(_ring, True, load_balance, rotate, docs, 48, window):
         assert max(errors) < 1e-5, errors  # out, dq, dk, dv
 
 
@@ -134,6 +158,24 @@ def test_document_attention_on_one_rank_equals_sdpa_with_the_document_mask(monke
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     with cp_module.document_masking(document_ids) as active:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # as a user's model calls it
+    (out * weight).sum().backward()
+    assert active.calls == 1
+    for got, want in zip((out.detach(), q.grad, k.grad, v.grad), expected, strict=True):
+        assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("block", [16, 5])
+def test_a_sliding_window_with_document_masks_on_one_rank_equals_sdpa_with_both_masks(monkeypatch, block):
+    """What a Mistral with data.document_mask runs: the models' attention entry point with a
+    window, inside document_masking, against SDPA given the causal document mask and the window."""
+    from hpservice.parallel import context_parallel as cp_module
+
+    monkeypatch.setattr(cp_module, "LOCAL_BLOCK", block)
+    q, k, v, weight, document_ids = _inputs(S=48, docs=True)
+    expected = _reference(q, k, v, weight, document_ids, True, window=7)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    with cp_module.document_masking(document_ids) as active:
+        out = cp_module.scaled_dot_product_attention(q, k, v, is_causal=True, window=7)
     (out * weight).sum().backward()
     assert active.calls == 1
     for got, want in zip((out.detach(), q.grad, k.grad, v.grad), expected, strict=True):

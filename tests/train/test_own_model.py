@@ -133,22 +133,16 @@ def test_what_can_only_fail_is_refused_before_anything_starts(tmp_path):
 
 
 def test_what_cannot_run_together_is_refused_by_validate_run_and_submit_alike():
-    """A factory on synthetic data without data.vocab_size; a sliding window shorter than seq_len
-    under cp or document_mask: refused naming the field, here and for workers elsewhere."""
+    """A factory on synthetic data without data.vocab_size: refused naming the field, here and for
+    workers elsewhere. A sliding window shorter than seq_len composes with cp and document masks."""
     factory = {"model": {"name": "tests.train.test_own_model:plain_lm"}}
     for here in (True, False):
         errors = _errors({**factory, "eval": {"interval": 2, "data": {"kind": "synthetic"}}}, here=here)
         assert "required with a custom model" in errors["data.vocab_size"], errors
         assert "required with a custom model" in errors["eval.data.vocab_size"], errors
-        mistral = {"model": {"name": "mistral", "flavor": "tiny"}, "data": {"seq_len": 32}}  # window 16
-        errors = _errors({**mistral, "parallelism": {"cp": 2}, "resources": {"workers": 2}}, here=here)
-        assert errors["parallelism.cp"].startswith("the model's sliding_window (16) is shorter than data.seq_len (32)")
-        errors = _errors({**mistral, "data": {"seq_len": 32, "document_mask": True, "eos_id": 0}}, here=here)
-        assert list(errors) == ["data.document_mask"]
-        # a window as long as the sequence is no window: accepted
-        long = {"name": "p", **mistral, "parallelism": {"cp": 2}, "resources": {"workers": 2}}
-        long["model"] = {**long["model"], "overrides": {"sliding_window": 32}}
-        preflight(parse_job(long), here=here)
+        mistral = {"name": "p", "model": {"name": "mistral", "flavor": "tiny"}, "data": {"seq_len": 32}}  # window 16
+        preflight(parse_job({**mistral, "parallelism": {"cp": 2}, "resources": {"workers": 2}}), here=here)
+        preflight(parse_job({**mistral, "data": {"seq_len": 32, "document_mask": True, "eos_id": 0}}), here=here)
 
 
 def _train_losses(spec):
@@ -156,8 +150,7 @@ def _train_losses(spec):
 
 
 def test_a_sliding_window_as_long_as_the_sequence_trains_under_context_parallelism(ranks, tmp_path):
-    """Mistral with sliding_window >= seq_len under cp 2 (it used to raise at step 1): the same
-    losses as without a window."""
+    """Mistral with sliding_window >= seq_len under cp 2: the same losses as without a window."""
     runs = []
     for window in (32, None):
         spec = _spec(
@@ -168,6 +161,32 @@ def test_a_sliding_window_as_long_as_the_sequence_trains_under_context_paralleli
         )
         runs.append(ranks(2).run(_train_losses, spec)[0])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "data"),
+    [({"cp": 2}, {}), ({"cp": 2}, {"document_mask": True, "eos_id": 3}), ({}, {"document_mask": True, "eos_id": 3})],
+    ids=["cp2", "cp2-documents", "documents"],
+)
+def test_a_sliding_window_shorter_than_the_sequence_trains_like_one_process(ranks, tmp_path, parallelism, data):
+    """Mistral's window of 8 over sequences of 32 (it used to be refused under cp and document
+    masks): ring and blockwise attention apply the window as one process's masked SDPA does, so
+    the losses are one process's, and a window changes them."""
+    def spec(name, window, layout):
+        return _spec(
+            tmp_path / name,
+            model={"name": "mistral", "flavor": "tiny", "overrides": {"sliding_window": window}},
+            parallelism=layout,
+            data={"seq_len": 32, **data},
+            training={"steps": 3},
+        )
+
+    one = ranks(1).run(_train_losses, spec("one", 8, {}))[0]
+    cp = parallelism.get("cp", 1)
+    ours = ranks(cp).run(_train_losses, spec("ours", 8, parallelism))[0]
+    no_window = ranks(1).run(_train_losses, spec("none", None, {}))[0]
+    assert ours == pytest.approx(one, abs=1e-5)
+    assert ours != pytest.approx(no_window, abs=1e-3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA device")
