@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from hpservice.dtensor import DTensor, Partial, Replicate
-from hpservice.parallel.context_parallel import scaled_dot_product_attention
 
 from ._spec import HFNames, ModelSpec
+from .attention import scaled_dot_product_attention
 from .llama import (
     Llama,
     RMSNorm,

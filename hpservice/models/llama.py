@@ -54,9 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpservice.parallel.context_parallel import scaled_dot_product_attention
-
 from ._spec import HFNames, ModelSpec
+from .attention import scaled_dot_product_attention
 
 
 @dataclass

@@ -36,23 +36,27 @@ parallelism, ``document_masking(document_ids)`` runs the same blockwise attentio
 Memory: the attention scores a rank keeps for backward are ``seq_len / cp x seq_len`` per head
 (``1/cp`` of one device's), and every other activation is ``1/cp`` as well.
 
+Sliding windows: ``window`` is one more condition of a chunk pair's mask (a key chunk wholly
+``window`` or more tokens back is skipped), under the ring, the all-gather and on one rank.
+
 ``context_parallel(mesh, buffers=..., buffer_seq_dims=...)`` has torch's name and shape
 (``torch.distributed.tensor.experimental.context_parallel``): inside it the buffers are sharded in
-place and ``F.scaled_dot_product_attention`` calls run as ring attention over ``mesh``. The
-differences from torch's are in ``docs/context-parallel.md``.
+place and the models' attention (``hpservice.models.attention``, and torch's
+``F.scaled_dot_product_attention`` through its function mode) runs as ring attention over
+``mesh``: this module supplies the layout and that backend, the models' module the entry point.
+The differences from torch's are in ``docs/context-parallel.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from .._graph_break import eager_under_compile
+from ..models.attention import ActiveAttention, in_force
 
 __all__ = [
     "context_parallel",
@@ -61,7 +65,6 @@ __all__ = [
     "document_masking",
     "positions",
     "ring_attention",
-    "scaled_dot_product_attention",
     "shard_sequence",
     "unshard_sequence",
 ]
@@ -354,99 +357,16 @@ def document_ids_from_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(eos, dim=-1) - eos.long()
 
 
-# ---- torch's context manager -------------------------------------------------------------------
-# The ring attention in force (set by context_parallel): a process-wide stack, not a thread-local
-# one, because activation checkpointing recomputes attention during backward, where torch's
-# function modes of the forward are not in force. Models call ``scaled_dot_product_attention``
-# below, which reads it; a model calling F.scaled_dot_product_attention gets it through the mode.
-_ACTIVE: list[ActiveAttention] = []
-
-
-def scaled_dot_product_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, window: int | None = None):
-    """``F.scaled_dot_product_attention`` (no mask, no dropout), or ring attention over the cp
-    ranks inside ``context_parallel`` (blockwise document attention inside ``document_masking``):
-    what the built-in models call. ``window`` (causal only): each query attends to its own key
-    and the ``window - 1`` before it (Mistral's sliding window): a boolean mask for SDPA when the
-    sequence is longer than the window, a condition of each chunk pair's mask under ring or
-    blockwise attention."""
-    if window is not None:
-        if not is_causal:
-            raise ValueError("scaled_dot_product_attention: a sliding window needs is_causal=True")
-        if _ACTIVE:
-            return _ring_attention_eagerly(q, k, v, is_causal, scale, window)
-        length = q.shape[-2]
-        if length > window:
-            i = torch.arange(length, device=q.device)
-            offset = i[:, None] - i[None, :]
-            mask = (offset >= 0) & (offset < window)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    if not _ACTIVE:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return _ring_attention_eagerly(q, k, v, is_causal, scale)
-
-
-@eager_under_compile
-def _ring_attention_eagerly(q, k, v, is_causal, scale, window=None):
-    """Outside what torch.compile traces (its collectives and loops run as Python): a compiled
-    block runs up to attention, this, then the rest."""
-    active = _ACTIVE[-1]
-    active.calls += 1
-    return ring_attention(q, k, v, is_causal=is_causal, scale=scale, window=window, **active.attention)
-
-
-class ActiveAttention:
-    """What ``context_parallel`` / ``document_masking`` put in force (yielded by both): the ring
-    attention arguments, and ``calls``, how many attention calls ran inside, so a caller can
-    check that a model's attention went through it (a model computing its own softmax would
-    attend across shards or documents without a word)."""
-
-    def __init__(self, **attention):
-        self.attention, self.calls = attention, 0
-
-
-class _RingAttentionMode(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` -> ``ring_attention`` over the cp group."""
-
-    def __init__(self, active: ActiveAttention):
-        super().__init__()
-        self.active = active
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            attn_mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            is_causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
-            if attn_mask is not None or dropout:
-                raise NotImplementedError(
-                    "context parallelism: scaled_dot_product_attention with attn_mask or dropout_p is not "
-                    "supported (a causal mask and document ids are); torch's context_parallel refuses them too"
-                )
-            if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
-                rep = q.shape[-3] // k.shape[-3]
-                k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-            self.active.calls += 1
-            return ring_attention(q, k, v, is_causal=is_causal, scale=kwargs.get("scale"), **self.active.attention)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _in_force(active: ActiveAttention):
-    """``active`` for our ``scaled_dot_product_attention`` (the stack) and torch's (the mode)."""
-    _ACTIVE.append(active)
-    try:
-        with _RingAttentionMode(active):
-            yield active
-    finally:
-        _ACTIVE.pop()
+# ---- the backend in force -------------------------------------------------------------------------
+# The models' attention (hpservice.models.attention) runs the backend put in force here.
 
 
 def document_masking(document_ids: torch.Tensor):
-    """Inside: the built-in models' attention (``scaled_dot_product_attention`` here, and
-    ``F.scaled_dot_product_attention`` through the mode) attends only within a document, on one
+    """Inside: the built-in models' attention (``hpservice.models.attention``, and torch's
+    ``F.scaled_dot_product_attention`` through its mode) attends only within a document, on one
     rank, blockwise (no ``[seq, seq]`` mask); ``document_ids`` is ``[B, S]``."""
-    return _in_force(ActiveAttention(group=LOCAL, load_balance=False, rotate="ring", document_ids=document_ids))
+    backend = functools.partial(ring_attention, group=LOCAL, load_balance=False, rotate="ring", document_ids=document_ids)
+    return in_force(ActiveAttention(backend))
 
 
 @contextlib.contextmanager
@@ -478,9 +398,11 @@ def context_parallel(
         with torch.no_grad():
             buf.resize_(shard.shape).copy_(shard)
         originals.append((buf, whole))
-    active = ActiveAttention(group=group, load_balance=load_balance, rotate=rotate, document_ids=document_ids)
+    backend = functools.partial(
+        ring_attention, group=group, load_balance=load_balance, rotate=rotate, document_ids=document_ids
+    )
     try:
-        with _in_force(active):
+        with in_force(ActiveAttention(backend)) as active:
             yield active
     finally:
         for buf, whole in originals:
