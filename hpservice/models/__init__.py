@@ -134,8 +134,9 @@ def model_spec(name: str) -> ModelSpec:
 
 def factory_model_spec(name: str, model: nn.Module) -> ModelSpec:
     """The bundle of a custom factory's model (``package.module:factory``): a tensor-parallel plan
-    where the model brings one (a ``parallelize(tp_mesh, sequence_parallel=...)`` method: the one
-    protocol a user's model is asked about), MoE upkeep where it is built from our ``MoE`` layers,
+    where the model brings one (a ``parallelize(tp_mesh, sequence_parallel=...)`` method), a
+    pipeline split where it brings a ``keep_stage(layers, first=, last=)`` method (blocks in
+    ``.layers``, an ``nn.ModuleDict``, as the built-ins), MoE upkeep where it is built from our ``MoE`` layers,
     no Hugging Face names, the 6N FLOPs estimate."""
     from .moe import moe_post_optimizer_hooks
 
@@ -150,6 +151,7 @@ def factory_model_spec(name: str, model: nn.Module) -> ModelSpec:
         description=f"custom model {name}",
         flops_per_token=None,
         parallelize=parallelize if callable(getattr(model, "parallelize", None)) else None,
+        pipeline_stage=type(model).keep_stage if callable(getattr(model, "keep_stage", None)) else None,
         post_optimizer_hooks=moe_post_optimizer_hooks,
     )
 

@@ -45,6 +45,10 @@ class ModelSpec:
     # parallelize(model, tp_mesh, sequence_parallel) lays the model out on the tp mesh in place;
     # None: the family has no tensor-parallel plan (parallelism.tp > 1 is refused naming it)
     parallelize: Callable[[nn.Module, Any, bool], None] | None = None
+    # pipeline_stage(model, layers, first=, last=) trims a meta model in place to one pipeline stage:
+    # the blocks named ``layers``, the embedding if first, the norm and head if last (names stay the
+    # whole model's); None: the family cannot be pipelined (parallelism.pp > 1 is refused naming it)
+    pipeline_stage: Callable[..., None] | None = None
     # post_optimizer_hooks(whole, parts, dims, microbatches=, bias_update_rate=) -> the hooks run
     # after each optimizer step (MoE's load metrics and routing-bias update)
     post_optimizer_hooks: Callable[..., list] = _no_hooks

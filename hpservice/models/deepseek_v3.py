@@ -242,4 +242,5 @@ MODEL_SPEC = ModelSpec(
     hf=HFNames("deepseek_v3", "DeepseekV3ForCausalLM"),
     parallelize=parallelize_llama,
     post_optimizer_hooks=moe_post_optimizer_hooks,
+    pipeline_stage=DeepseekV3.keep_stage,
 )

@@ -620,4 +620,5 @@ MODEL_SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     hf=HFNames("llama", "LlamaForCausalLM"),
     parallelize=parallelize_llama,
+    pipeline_stage=Llama.keep_stage,
 )

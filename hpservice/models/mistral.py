@@ -43,4 +43,5 @@ MODEL_SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     hf=HFNames("mistral", "MistralForCausalLM"),
     parallelize=parallelize_llama,
+    pipeline_stage=Mistral.keep_stage,
 )

@@ -128,4 +128,5 @@ MODEL_SPEC = ModelSpec(
     flavors=MLP_FLAVORS,
     description="a residual MLP on token embeddings, for benchmarks (no attention, no tensor-parallel plan)",
     flops_per_token=flops_per_token,
+    pipeline_stage=MLPModel.keep_stage,
 )

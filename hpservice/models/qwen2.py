@@ -60,4 +60,5 @@ MODEL_SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     hf=HFNames("qwen2", "Qwen2ForCausalLM"),
     parallelize=parallelize_llama,
+    pipeline_stage=Qwen2.keep_stage,
 )

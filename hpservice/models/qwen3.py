@@ -65,4 +65,5 @@ MODEL_SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     hf=HFNames("qwen3", "Qwen3ForCausalLM"),
     parallelize=parallelize_llama,
+    pipeline_stage=Qwen3.keep_stage,
 )

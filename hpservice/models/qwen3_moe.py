@@ -90,4 +90,5 @@ MODEL_SPEC = ModelSpec(
     hf=HFNames("qwen3_moe", "Qwen3MoeForCausalLM"),
     parallelize=parallelize_llama,
     post_optimizer_hooks=moe_post_optimizer_hooks,
+    pipeline_stage=Qwen3Moe.keep_stage,
 )

@@ -82,7 +82,7 @@ def build_model_parts(
 ) -> tuple[list[nn.Module], object | None]:
     """This rank's stages (or the whole model), each laid out and filled, and with pipeline
     parallelism the schedule over them with ``loss_fn`` on the last stage."""
-    stages = apply_pp(whole, dims.pp_rank, spec) if dims.pp > 1 else [(0, whole)]
+    stages = apply_pp(whole, dims.pp_rank, spec, bundle) if dims.pp > 1 else [(0, whole)]
     last = spec.parallelism.pp * spec.parallelism.pp_virtual_stages - 1
     for s, part in stages:
         parallelize(part, bundle, dims, spec, device, first=s == 0, last=s == last)

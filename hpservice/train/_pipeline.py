@@ -30,12 +30,18 @@ PIPELINE_SCHEDULES = {
 }
 
 
-def apply_pp(model: nn.Module, pp_rank: int, spec: JobSpec) -> list[tuple[int, nn.Module]]:
+def apply_pp(model: nn.Module, pp_rank: int, spec: JobSpec, bundle) -> list[tuple[int, nn.Module]]:
     """This pp rank's stages of the (meta) model: ``(stage_index, module)``, split by blocks
-    (``hpservice.parallel.pipelining.split_model``), each still on the meta device."""
+    (``hpservice.parallel.pipelining.split_model``) with the bundle's ``pipeline_stage``, each
+    still on the meta device."""
     p = spec.parallelism
+    if bundle.pipeline_stage is None:
+        raise TrainingError(
+            f"parallelism.pp > 1: the model {bundle.name} declares no pipeline split (a ModelSpec's "
+            "pipeline_stage, or a custom model's keep_stage(layers, first=, last=) method over blocks in .layers)"
+        )
     try:
-        return split_model(model, pp_rank, p.pp, p.pp_virtual_stages, p.pp_layers_per_stage)
+        return split_model(model, pp_rank, p.pp, p.pp_virtual_stages, p.pp_layers_per_stage, bundle.pipeline_stage)
     except ValueError as e:
         raise TrainingError(str(e)) from e
 

@@ -47,13 +47,21 @@ def split_layers(n_layers: int, num_stages: int, layers_per_stage: list[int] | N
 
 
 def split_model(
-    model: nn.Module, pp_rank: int, pp: int, virtual_stages: int = 1, layers_per_stage: list[int] | None = None
+    model: nn.Module,
+    pp_rank: int,
+    pp: int,
+    virtual_stages: int = 1,
+    layers_per_stage: list[int] | None = None,
+    keep_stage=None,
 ) -> list[tuple[int, nn.Module]]:
     """``(stage_index, module)`` for each stage pp rank ``pp_rank`` holds (stage ``s`` on rank
-    ``s % pp``), each a trimmed copy of ``model`` (see the module doc). ``ValueError`` for a model
-    that cannot be split."""
+    ``s % pp``), each a trimmed copy of ``model`` (see the module doc). ``keep_stage(part, layers,
+    first=, last=)`` trims a copy (a model bundle's ``pipeline_stage``; default, the model's own
+    ``keep_stage`` method). ``ValueError`` for a model that cannot be split."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleDict) or not callable(getattr(model, "keep_stage", None)):
+    if keep_stage is None and callable(getattr(model, "keep_stage", None)):
+        keep_stage = type(model).keep_stage
+    if not isinstance(layers, nn.ModuleDict) or keep_stage is None:
         raise ValueError(
             f"parallelism.pp > 1 needs a model whose blocks are in .layers (an nn.ModuleDict) and that has a "
             f"keep_stage(layers, first=, last=) method, as the built-in llama has; {type(model).__name__} has not"
@@ -65,6 +73,6 @@ def split_model(
     stages = []
     for s in mine:
         part = copy.deepcopy(model)  # on the meta device: no memory
-        part.keep_stage([names[i] for i in bounds[s]], first=s == 0, last=s == num_stages - 1)
+        keep_stage(part, [names[i] for i in bounds[s]], first=s == 0, last=s == num_stages - 1)
         stages.append((s, part))
     return stages
