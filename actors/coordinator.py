@@ -21,6 +21,11 @@ the placement group; ``shutdown()`` ends the coordinator itself.
 
 It runs as a threaded actor: ``run()`` holds one thread for the supervision loop while the other
 methods answer clients.
+
+The coordinator is the job's states and their handlers; what they act on is in classes of its
+own (Ray Train v2's split): the placement group and workers (``worker_group.WorkerGroup``), the
+metric and log buffers (``buffers``), the elastic size (``scaling.ElasticScaling``), where workers
+may go (``placement``), and what a failure leads to (``failure_policy``).
 """
 
 from __future__ import annotations
@@ -30,16 +35,14 @@ import dataclasses
 import threading
 import time
 import traceback
-from collections import deque
 from typing import NamedTuple
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hpservice.jobs import COORDINATOR_ENDS, JobRecord, JobState
 
 from . import _drill, nodes, placement
+from .buffers import LogBuffer, MetricsBuffer
 from .failure_policy import (
     AttemptFailure,
     FailureKind,
@@ -49,19 +52,16 @@ from .failure_policy import (
     preemption_after_stop,
 )
 from .gauges import JobGauges
-from .worker import TrainWorker
+from .scaling import ElasticScaling
+from .worker_group import WorkerGroup, worker_name
 
-METRICS_BUFFER = 100_000  # records kept for clients that poll late; older ones are dropped and counted
-LOG_LINES_PER_RANK = 10_000
+__all__ = ["Continuation", "Coordinator", "coordinator_name", "worker_name"]
+
 POLL_S = 0.5
 
 
 def coordinator_name(job_id: str) -> str:
     return f"hp:{job_id}:coordinator"
-
-
-def worker_name(job_id: str, rank: int) -> str:
-    return f"hp:{job_id}:rank{rank}"
 
 
 class _Failure(Exception):
@@ -70,14 +70,6 @@ class _Failure(Exception):
     def __init__(self, reason: str, kind: FailureKind = FailureKind.WORKER, lost_nodes: tuple[str, ...] = ()):
         super().__init__(reason)
         self.failure = AttemptFailure(kind, reason, lost_nodes)
-
-
-def cluster_fit(spec, gpus: int, alive: list[dict] | None = None) -> str | None:
-    """None if ``spec``'s workers (``gpus`` each) can ever be placed on this cluster's live nodes
-    (``alive``: their resources, read once by a caller checking many jobs) as its placement asks,
-    else why not and how to make it fit (``placement.infeasible``)."""
-    alive = nodes.alive_resources() if alive is None else alive
-    return placement.infeasible(placement.plan_placement(spec, gpus), alive, spec)
 
 
 def attempt_spec(spec, resume: bool, gpus: int):
@@ -140,35 +132,24 @@ class Coordinator:
         self._lock = threading.Lock()
         self._history: list[dict] = []
         self._set_state(JobState.QUEUED, "waiting to start")
-        self._metrics: deque[tuple[int, dict]] = deque(maxlen=METRICS_BUFFER)  # (arrival number, record)
-        self._arrivals = 0  # records received: reports run on several threads, so steps may arrive out of order
-        self._dropped = 0
-        self._logs: dict[int, deque] = {}
-        self._log_offset: dict[int, int] = {}
-        self._log_seq = continuation.log_seq  # one sequence over all ranks and attempts: the cursor clients resume from
+        self._metrics = MetricsBuffer()
+        self._logs = LogBuffer(start_seq=continuation.log_seq)
         self._checkpoints: list[dict] = [dict(c) for c in continuation.checkpoints]
         self._restarts: list[dict] = []
         self._stop_requested = False
         self._stop_deadline_s = 60.0
         self._preempted_by: str | None = None  # why the stop was asked, when it is a preemption
         self._failed_by: str | None = None  # why the stop was asked, when the job went past a server bound
-        self._workers: list = []
-        self._pg = None
-        self._plan: placement.PlacementPlan | None = None
-        self._gpus = 0
-        self._placement: list[dict] = []  # rank -> node of the current attempt
         self._policy = RestartPolicy(self.spec.failure.max_restarts)
         self._attempt = 0
         self._node_losses: list[dict] = []
         self._stop_sent_at: float | None = None
         self._first_step: int | None = None  # the step this attempt started from
-        self._size = self.spec.resources.workers  # workers now (fewer after an elastic shrink)
-        self._resizes: list[dict] = []
-        self._room_seen_at: float | None = None  # when room for every worker was first seen while shrunk
-        self._room_checked_at = 0.0
+        self._scaling = ElasticScaling(self.spec)
         self._step = continuation.step
         self._reported_up_to = continuation.metrics_step  # the last step whose metrics reached the store or this actor
-        self._me = ray.get_runtime_context().current_actor  # what this coordinator's workers report to
+        # the workers report to this coordinator's handle: never a name another may hold
+        self._group = WorkerGroup(job_id, ray.get_runtime_context().current_actor)
         self._gauges = JobGauges(self.job_id)
         self._node_id = ray.get_runtime_context().get_node_id()  # where supervision runs (the head by default)
 
@@ -199,25 +180,22 @@ class Coordinator:
                 total_steps=self.spec.training.steps,
                 restarts=len(self._restarts),
                 restart_reasons=[r["reason"] for r in self._restarts],
-                placement=list(self._placement),
+                placement=list(self._group.placement),
                 checkpoints=list(self._checkpoints),
             )
             return {
                 **record.run_side(),
                 "node_losses": list(self._node_losses),
-                "workers": self._size,
-                "resizes": list(self._resizes),
+                "workers": self._scaling.size,
+                "resizes": list(self._scaling.resizes),
                 "coordinator_node": self._node_id,
-                "metrics_dropped": self._dropped,
+                "metrics_dropped": self._metrics.dropped,
             }
 
     # ---- reports from workers --------------------------------------------------------------
     def report(self, record: dict) -> None:
+        self._metrics.add(record)
         with self._lock:
-            if len(self._metrics) == self._metrics.maxlen:
-                self._dropped += 1
-            self._arrivals += 1
-            self._metrics.append((self._arrivals, record))
             self._reported_up_to = max(self._reported_up_to, record["step"])
             # max: a threaded actor may run one caller's calls out of order (step 2's before step 1's)
             self._step = max(self._step, record["step"])
@@ -228,19 +206,11 @@ class Coordinator:
         the ``after``-th, in step order, plus the status and ``cursor``, the ``after`` to ask with
         next. A follower that keeps ``cursor`` gets every record once, even the ones of steps that
         arrived out of order (a step cursor would skip those)."""
-        with self._lock:
-            records = [r for n, r in self._metrics if n > after and r["step"] > since_step]
-            cursor = self._arrivals
-        return {"records": sorted(records, key=lambda r: r["step"]), "cursor": cursor, "status": self.status()}
+        records, cursor = self._metrics.since(since_step, after)
+        return {"records": records, "cursor": cursor, "status": self.status()}
 
     def add_log(self, rank: int, step: int, line: str) -> None:
-        with self._lock:
-            buf = self._logs.setdefault(rank, deque(maxlen=LOG_LINES_PER_RANK))
-            offset = self._log_offset.get(rank, 0)
-            self._log_seq += 1
-            entry = {"seq": self._log_seq, "offset": offset, "rank": rank, "step": step, "time": time.time()}
-            buf.append({**entry, "line": line})
-            self._log_offset[rank] = offset + 1
+        self._logs.add(rank, step, line)
 
     def logs(
         self, rank: int | None = None, tail: int | None = None, since: int = 0, since_seq: int = 0
@@ -248,16 +218,7 @@ class Coordinator:
         """Log lines of one rank (or all), from per-rank offset ``since`` and after sequence number
         ``since_seq`` (one sequence over all ranks: the cursor a follower keeps), the last
         ``tail`` of them, in sequence order."""
-        with self._lock:
-            ranks = [rank] if rank is not None else sorted(self._logs)
-            lines = [
-                entry
-                for r in ranks
-                for entry in self._logs.get(r, ())
-                if entry["offset"] >= since and entry["seq"] > since_seq
-            ]
-        lines.sort(key=lambda e: e["seq"])
-        return lines[-tail:] if tail else lines
+        return self._logs.lines(rank, tail, since, since_seq)
 
     def record_checkpoint(self, info: dict) -> None:
         """A committed checkpoint; ``info["kept"]`` (the steps still on storage) drops the ones
@@ -351,8 +312,8 @@ class Coordinator:
     def _queued(self) -> Next:
         """Reserve the placement group; wait (saying so once) until the cluster has room."""
         r = self.spec.resources
-        self._gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
-        why = cluster_fit(self.spec, self._gpus)
+        self._group.gpus = r.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
+        why = placement.cluster_fit(self.spec, self._group.gpus)
         if why is not None:
             return JobState.FAILED, why
         if not self._reserve(r.workers, wait_s=None, waiting="waiting for resources"):
@@ -386,22 +347,23 @@ class Coordinator:
         nodes.wait_marked_dead(lost, timeout_s=self.NODE_DEATH_WAIT_S)
         self._release()
         wait_s = self.spec.failure.capacity_wait_s
-        if self._reserve(self._size, wait_s=wait_s, waiting=f"waiting for capacity: {names} lost; need"):
+        size = self._scaling.size
+        if self._reserve(size, wait_s=wait_s, waiting=f"waiting for capacity: {names} lost; need"):
             return None
         if self._stop_requested:
             return self._stopped(f"cancelled while waiting for capacity ({names} lost)")
-        for n in self.spec.elastic_sizes():
-            if n < self._size and self._reserve(n, wait_s=POLL_S * 4):  # room for n now, or try fewer
-                self._resized(n, f"{names} lost and no room for {self._size} workers within {wait_s:g} s")
+        for n in self._scaling.smaller_sizes():
+            if self._reserve(n, wait_s=POLL_S * 4):  # room for n now, or try fewer
+                self._resized(n, f"{names} lost and no room for {size} workers within {wait_s:g} s")
                 return None
-        need = f"{self._size} workers x {placement.worker_resources(self.spec, self._gpus)}"
+        need = f"{size} workers x {placement.worker_resources(self.spec, self._group.gpus)}"
         fewer = f" (nor for min_workers {self.spec.resources.min_workers})" if self.spec.resources.min_workers else ""
         return JobState.FAILED, f"{names} lost; no room for {need} on the live nodes within {wait_s:g} s{fewer}"
 
     def _grow_back(self) -> tuple[JobState, str] | None:
         """Stop the shrunk attempt (it has just checkpointed) and place every worker again; if
         the room is gone meanwhile, go on at the size it had."""
-        old, full = self._size, self.spec.resources.workers
+        old, full = self._scaling.size, self.spec.resources.workers
         self._kill_workers()
         self._release()
         wait_s = self.spec.failure.capacity_wait_s
@@ -415,31 +377,13 @@ class Coordinator:
         return JobState.FAILED, f"no room for {full} workers, nor for {old} again, within {wait_s:g} s"
 
     def _resized(self, workers: int, reason: str) -> None:
-        old, self._size = self._size, workers
-        self._room_seen_at = None
-        spec = self.spec.resized(workers)
-        resize = {"from": old, "to": workers, "reason": reason, "grad_accum": spec.training.grad_accum}
-        self._resizes.append({"time": time.time(), **resize})
-        message = f"resized {old} -> {workers} workers: {reason} (global batch {spec.data.global_batch}, "
-        self._set_state(self.state, message + f"grad_accum {spec.training.grad_accum})", resize=resize)
+        resize, message = self._scaling.resize(workers, reason)
+        self._set_state(self.state, message, resize=resize)
 
     def _grow_ready(self) -> bool:
-        """While shrunk: True once room for every worker has come back and a checkpoint was
-        committed after that (the grow resumes from it). Checked every 2 s."""
-        if self._size >= self.spec.resources.workers or time.monotonic() - self._room_checked_at < 2.0:
-            return False
-        self._room_checked_at = time.monotonic()
-        if self._room_seen_at is None:
-            missing = self.spec.resources.workers - self._size
-            one = placement.worker_resources(self.spec, self._gpus)
-            free = ray.available_resources()
-            full = placement.plan_placement(self.spec, self._gpus)
-            room = all(free.get(k, 0) + 1e-9 >= v * missing for k, v in one.items())
-            if room and placement.infeasible(full, nodes.alive_resources(), self.spec) is None:
-                self._room_seen_at = time.time()
-            return False
         with self._lock:
-            return any(c["time"] > self._room_seen_at for c in self._checkpoints)
+            times = [c["time"] for c in self._checkpoints]
+        return self._scaling.grow_ready(self._group.gpus, times)
 
     def _start_attempt(self, resume: bool) -> Next:
         try:
@@ -479,85 +423,35 @@ class Coordinator:
         """The placement group of ``workers`` workers, placed: waiting forever (``wait_s`` None)
         or ``wait_s`` seconds; False if a stop came first or the time ran out. ``waiting`` is
         said in the job's message once, if it has to wait."""
-        plan = placement.plan_placement(self.spec.resized(workers), self._gpus)
-        pg = placement_group([dict(b) for b in plan.bundles], strategy=plan.strategy, name=f"hp:{self.job_id}")
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        announced = False
-        while not self._wait_ready(pg):
-            if self._stop_requested or (deadline is not None and time.monotonic() > deadline):
-                remove_placement_group(pg)
-                return False
-            if waiting is not None and not announced:
-                announced = True
-                what = f"{workers} x {plan.worker}" + (
-                    f" in groups of {plan.group_size} per node" if plan.group_size > 1 else ""
-                )
+
+        def on_wait(what: str) -> None:
+            if waiting is not None:
                 self._set_state(self.state, f"{waiting} {what}")
-        self._pg, self._plan = pg, plan
-        return True
+
+        return self._group.reserve(self.spec.resized(workers), wait_s, lambda: self._stop_requested, on_wait)
 
     def _release(self) -> None:
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
-
-    def _wait_ready(self, pg) -> bool:
-        ready, _ = ray.wait([pg.ready()], timeout=POLL_S * 4)
-        return bool(ready)
+        self._group.release()
 
     def _start_workers(self, resume: bool) -> str:
         """Start one worker per rank in its bundle, rendezvous at rank 0's address; returns the
         RUNNING message. Raises ``_Failure``."""
-        spec = self.spec.resized(self._size)
-        attempt = attempt_spec(spec, resume, self._gpus)
-        n = spec.resources.workers
-        self._workers = [
-            TrainWorker.options(
-                name=worker_name(self.job_id, i),
-                num_cpus=spec.resources.cpus_per_worker,
-                num_gpus=self._gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self._pg, placement_group_bundle_index=self._plan.bundle_of_rank[i]
-                ),
-            ).remote(self.job_id, i, n, self._me)  # this coordinator's handle: never a name another may hold
-            for i in range(n)
-        ]
+        attempt = attempt_spec(self.spec.resized(self._scaling.size), resume, self._group.gpus)
         try:
-            addresses = ray.get([w.address.remote() for w in self._workers], timeout=300)
-            self._record_placement(addresses)
-            master_addr, master_port = addresses[0].ip, addresses[0].port
-            reported = self._reported_up_to
-            ray.get([w.start.remote(attempt, master_addr, master_port, reported) for w in self._workers], timeout=300)
+            message = self._group.start(attempt, self._reported_up_to)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise self._classify(f"workers failed to start: {type(e).__name__}: {_short(e)}") from None
         self._stop_sent_at = None
         self._first_step = None
-        self._room_seen_at = None
+        self._scaling.attempt_started()
         if resume:  # the step this attempt goes on from: its reports count up from there
             with self._lock:
                 self._step = max((c["step"] for c in self._checkpoints), default=0)
-        return f"{n} workers on {len({a.node_id for a in addresses})} node(s), rendezvous {master_addr}:{master_port}"
-
-    def _record_placement(self, addresses) -> None:
-        known = nodes.nodes()
-        with self._lock:
-            self._placement = [
-                {
-                    "rank": a.rank,
-                    "node_id": a.node_id,
-                    "node_ip": a.ip,
-                    "node": nodes.describe(a.node_id, known),
-                    "bundle": self._plan.bundle_of_rank[a.rank],
-                    "pid": a.pid,
-                }
-                for a in addresses
-            ]
+        return message
 
     def _classify(self, reason: str) -> _Failure:
         """A worker died or stopped answering: a NODE failure if a node of the job was lost."""
-        with self._lock:
-            node_ids = [p["node_id"] for p in self._placement]
-        lost = tuple(nodes.lost(node_ids))
+        lost = self._group.lost_nodes()
         if lost:
             names = ", ".join(nodes.describe(n) for n in lost)
             return _Failure(f"{names} lost ({reason})", FailureKind.NODE, lost)
@@ -569,7 +463,7 @@ class Coordinator:
         while True:
             time.sleep(POLL_S)
             try:
-                polls = ray.get([w.poll.remote() for w in self._workers], timeout=60)
+                polls = self._group.poll(timeout_s=60)
             except ray.exceptions.RayActorError as e:
                 raise self._classify(f"a worker died: {_short(e)}") from None
             except ray.exceptions.GetTimeoutError:
@@ -586,7 +480,7 @@ class Coordinator:
                 return self._stopped(f"stopped gracefully at step {end.step}")
             if self._stop_requested:
                 if self._stop_sent_at is None:
-                    ray.get([w.request_stop.remote() for w in self._workers])
+                    self._group.request_stop()
                     self._stop_sent_at = time.time()
                     why = self._failed_by or self._preempted_by
                     why = f"{why}: " if why else ""
@@ -606,25 +500,19 @@ class Coordinator:
                 raise _Failure(f"hang: no progress for {stalled:.0f} s {what} (stacks in the log)")
             if self._grow_ready():
                 latest = max(c["step"] for c in self.checkpoints())
-                message = f"growing {self._size} -> {self.spec.resources.workers} workers: room is back; from step {latest}"
+                size = self._scaling.size
+                message = f"growing {size} -> {self.spec.resources.workers} workers: room is back; from step {latest}"
                 return Transition(JobState.RESTARTING, message, RestartCause(grow=True))
 
     def _dump_stacks(self) -> None:
-        for rank, w in enumerate(self._workers):
-            try:
-                text = ray.get(w.stacks.remote(), timeout=10)
-            except Exception as e:  # a dead rank has no stacks to give
-                text = f"(no stacks: {type(e).__name__})"
+        for rank, text in enumerate(self._group.stacks()):
             self.add_log(rank, self._step, f"watchdog: stacks of rank {rank}\n{text}")
 
     def _kill_workers(self) -> None:
-        for w in self._workers:
-            ray.kill(w, no_restart=True)
-        self._workers = []
+        self._group.kill()
 
     def _teardown(self) -> None:
-        self._kill_workers()
-        self._release()
+        self._group.teardown()
 
 
 def _short(e: Exception) -> str:

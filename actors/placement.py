@@ -115,3 +115,14 @@ def infeasible(plan: PlacementPlan, nodes: list[dict], spec) -> str | None:
     fixes.append(f"a larger cluster (e.g. hpservice serve --num-cpus {cpus} on one machine)")
     return f"{why}; to fit it: {' or '.join(fixes)}"
 
+
+
+def cluster_fit(spec, gpus: int, alive: list[dict] | None = None) -> str | None:
+    """None if ``spec``'s workers (``gpus`` each) can ever be placed on this cluster's live nodes
+    as its placement asks, else why not and how to make it fit (``infeasible``). ``alive``: their
+    resources, read once by a caller checking many jobs; None reads them from Ray now."""
+    if alive is None:
+        from . import nodes
+
+        alive = nodes.alive_resources()
+    return infeasible(plan_placement(spec, gpus), alive, spec)

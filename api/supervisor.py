@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import ray
 
 from hpservice.actors import NAMESPACE, Continuation, JobHandle, start_job, worker_name
-from hpservice.actors.coordinator import cluster_fit
 from hpservice.actors.nodes import alive_resources
+from hpservice.actors.placement import cluster_fit
 from hpservice.jobs import ACTIVE_STATES, COORDINATOR_ENDS, TERMINAL_STATES, WAITING_STATES, JobState
 from hpservice.spec import parse_job
 

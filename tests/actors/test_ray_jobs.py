@@ -196,7 +196,7 @@ def test_infeasible_job_fails_fast_with_its_reason(cluster, tmp_path):
     assert "needs 64 workers x (2 CPU)" in status["message"] and "1 node(s): 4 CPU" in status["message"]
     assert "to fit it: a larger cluster (e.g. hpservice serve --num-cpus 128" in status["message"]
     _finish(handle)
-    from hpservice.actors.coordinator import cluster_fit
+    from hpservice.actors.placement import cluster_fit
 
     eight = _spec(tmp_path, "eight", resources={"workers": 8})
     why = cluster_fit(eight, 0)  # the fix it names makes it fit
