@@ -61,7 +61,9 @@ class LogBuffer:
             buf = self._lines.setdefault(rank, deque(maxlen=self._per_rank))
             offset = self._offset.get(rank, 0)
             self._seq += 1
-            buf.append({"seq": self._seq, "offset": offset, "rank": rank, "step": step, "time": time.time(), "line": line})
+            buf.append(
+                {"seq": self._seq, "offset": offset, "rank": rank, "step": step, "time": time.time(), "line": line}
+            )
             self._offset[rank] = offset + 1
 
     def lines(self, rank: int | None = None, tail: int | None = None, since: int = 0, since_seq: int = 0) -> list[dict]:

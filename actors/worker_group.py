@@ -85,7 +85,9 @@ class WorkerGroup:
         addresses = ray.get([w.address.remote() for w in self.workers], timeout=300)
         self._record_placement(addresses)
         master_addr, master_port = addresses[0].ip, addresses[0].port
-        ray.get([w.start.remote(attempt_spec, master_addr, master_port, reported_up_to) for w in self.workers], timeout=300)
+        ray.get(
+            [w.start.remote(attempt_spec, master_addr, master_port, reported_up_to) for w in self.workers], timeout=300
+        )
         return f"{n} workers on {len({a.node_id for a in addresses})} node(s), rendezvous {master_addr}:{master_port}"
 
     def _record_placement(self, addresses) -> None:
