@@ -65,6 +65,7 @@ def create_app(settings: Settings | None = None, *, connect_ray: bool = True, su
         yield
         supervisor.stop()
         validation.shutdown()
+        app.state.exports.shutdown()
         store.close()
 
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}

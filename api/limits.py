@@ -18,9 +18,12 @@ that trickles in: each holds a socket (and a task) until the process runs out. S
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -130,12 +133,41 @@ class StreamSlots:
 
 class Exports:
     """Exports in flight: one per output directory (a second request for it waits for the first's
-    result: one checkpoint is never written twice at once), at most ``per_owner`` per owner."""
+    result: one checkpoint is never written twice at once), at most ``per_owner`` per owner, each
+    waited on by a thread off the event loop while its work runs in an export worker process
+    (``in_worker_process``): a checkpoint's tensors never load into the web process, and an export
+    that dies (out of memory) takes only its worker with it."""
 
-    def __init__(self, per_owner: int):
+    def __init__(self, per_owner: int, processes: int = 2):
         self.per_owner = per_owner
         self._running: dict[str, asyncio.Future] = {}
         self._owners: dict[str, int] = {}
+        self._processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def in_worker_process(self, fn, *args):
+        """``fn(*args)`` in an export worker process (spawned on first use, kept for the next
+        exports); blocks the calling thread. Its exception is raised here; a worker that died
+        raises ``BrokenProcessPool`` and the next call starts new workers."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self._processes, mp_context=multiprocessing.get_context("spawn"))
+            pool = self._pool
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool:
+            with self._pool_lock:
+                if self._pool is pool:
+                    self._pool = None
+            pool.shutdown(wait=False)
+            raise
+
+    def shutdown(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     async def run(self, owner: str, key: str, fn) -> dict:
         running = self._running.get(key)

@@ -348,7 +348,9 @@ async def export_checkpoint(
 ):
     """Export one of the job's committed checkpoints in Hugging Face format, into
     ``<job dir>/exports/step-N-hf`` (replaced if it exists); loadable by transformers'
-    ``from_pretrained``. Runs off the event loop."""
+    ``from_pretrained``. Runs in an export worker process (``Exports``), waited on off the event loop."""
+    from concurrent.futures.process import BrokenProcessPool
+
     from hpservice.checkpoint import CheckpointError, step_dir_name
     from hpservice.models.hf import HFFormatError, export_checkpoint_hf
 
@@ -363,7 +365,9 @@ async def export_checkpoint(
 
     def run() -> dict:
         try:
-            return export_checkpoint_hf(found[-1]["path"], out)
+            return exports.in_worker_process(export_checkpoint_hf, found[-1]["path"], out)
+        except BrokenProcessPool:
+            raise APIError(500, f"export of step {step} failed: its worker process died (out of memory?)") from None
         except (HFFormatError, CheckpointError, ValueError) as e:
             raise APIError(422, f"checkpoint of step {step} cannot be exported: {e}") from None
         except OSError as e:  # the storage under the job: full, gone, not writable

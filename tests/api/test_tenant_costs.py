@@ -448,6 +448,23 @@ def test_concurrent_exports_of_one_checkpoint_all_succeed(ranks, tmp_path):
     assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
 
 
+def test_an_export_runs_in_a_worker_process_and_one_that_dies_takes_only_that_worker():
+    import signal
+    from concurrent.futures.process import BrokenProcessPool
+
+    from hpservice.api.limits import Exports
+
+    exports = Exports(per_owner=1, processes=1)
+    try:
+        worker = exports.in_worker_process(os.getpid)
+        assert worker != os.getpid()
+        with pytest.raises(BrokenProcessPool):
+            exports.in_worker_process(os.kill, worker, signal.SIGKILL)  # an export killed (out of memory)
+        assert exports.in_worker_process(os.getpid) not in (worker, os.getpid())  # a new worker serves the next
+    finally:
+        exports.shutdown()
+
+
 def test_exports_per_owner_are_bounded_and_one_directory_is_written_once():
     import asyncio
 
