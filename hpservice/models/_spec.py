@@ -19,16 +19,39 @@ from torch import nn
 __all__ = ["HFNames", "ModelSpec"]
 
 
-@dataclasses.dataclass(frozen=True)
-class HFNames:
-    """How Hugging Face names the family: ``config.json``'s ``model_type`` and ``architectures``."""
-
-    model_type: str
-    architecture: str
+def _nothing(*_args, **_kwargs) -> dict:
+    return {}
 
 
 def _no_hooks(*_args, **_kwargs) -> list:
     return []
+
+
+@dataclasses.dataclass(frozen=True)
+class HFNames:
+    """The family's Hugging Face state-dict adapter (torchtitan's ``StateDictAdapter``): how
+    transformers names it (``config.json``'s ``model_type`` and ``architectures``) and what is the
+    family's own in converting its config and tensors; ``models/hf.py`` does the part every
+    decoder family shares (the common config keys, tensor names, rotary row order, sharded
+    reads and writes) and calls these for the rest.
+
+    - ``config_fields(cfg, need, refuse)``: our config's own fields from a validated
+      ``config.json`` ``cfg`` (``need(key)`` its value or an error; ``refuse(key, allowed, why)``
+      an error unless allowed); a ``ValueError`` names a bad key;
+    - ``config_keys(our_cfg)``: its ``config.json`` keys for our config, beyond the common ones;
+    - ``variants``: which of our decoder's options its transformers class has (``qkv_bias``,
+      ``qk_norm``, ``sliding_window``); a model using another cannot be exported as it, and one
+      without ``qkv_bias`` refuses a config's ``attention_bias``;
+    - ``unsupported(our_cfg)``: further settings of ours with no equivalent (names);
+    - ``buffers``: suffixes of buffers its checkpoints hold besides parameters."""
+
+    model_type: str
+    architecture: str
+    config_fields: Callable[..., dict] = _nothing
+    config_keys: Callable[[Any], dict] = _nothing
+    variants: frozenset[str] = frozenset()
+    unsupported: Callable[[Any], list] = _no_hooks
+    buffers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

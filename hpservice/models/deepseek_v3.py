@@ -232,6 +232,58 @@ class DeepseekV3(Llama):
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepseekV3", "DeepseekV3Config", "MLAttention"]
 
 
+
+def _deepseek_fields(cfg: dict, need, refuse) -> dict:
+    """``DeepseekV3Config``'s own fields from a ``deepseek_v3`` config.json."""
+    refuse("rope_interleave", (None, True), "the rotary dims are read in DeepSeek's interleaved order")
+    refuse("scoring_func", (None, "sigmoid"), "DeepSeek-V3's router scores with a sigmoid")
+    refuse("topk_method", (None, "noaux_tc"), "DeepSeek-V3's grouped top-k with correction biases is implemented")
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise ValueError("no n_routed_experts (or num_local_experts)")
+    return {
+        "n_kv_heads": need("num_attention_heads"),  # MLA: every head its own keys and values
+        "attn_head_dim": None,
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "kv_lora_rank": need("kv_lora_rank"),
+        "qk_nope_head_dim": need("qk_nope_head_dim"),
+        "qk_rope_head_dim": need("qk_rope_head_dim"),
+        "v_head_dim": need("v_head_dim"),
+        "num_experts": experts,
+        "experts_per_token": need("num_experts_per_tok"),
+        "moe_hidden_dim": need("moe_intermediate_size"),
+        "n_shared_experts": cfg.get("n_shared_experts") or 0,
+        "first_dense_layers": cfg.get("first_k_dense_replace") or 0,
+        "n_expert_groups": cfg.get("n_group") or 1,
+        "n_limited_groups": cfg.get("topk_group") or 1,
+        "route_norm": bool(cfg.get("norm_topk_prob", True)),
+        "route_scale": float(cfg.get("routed_scaling_factor", 1.0)),
+    }
+
+
+def _deepseek_keys(cfg) -> dict:
+    return {
+        "num_key_value_heads": cfg.n_heads,
+        "head_dim": cfg.qk_rope_head_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "moe_intermediate_size": cfg.moe_hidden_dim,
+        "n_shared_experts": cfg.n_shared_experts,
+        "first_k_dense_replace": cfg.first_dense_layers,
+        "n_group": cfg.n_expert_groups,
+        "topk_group": cfg.n_limited_groups,
+        "norm_topk_prob": cfg.route_norm,
+        "routed_scaling_factor": cfg.route_scale,
+        "rope_interleave": True,
+        "attention_bias": False,
+    }
+
+
 MODEL_SPEC = ModelSpec(
     name="deepseek_v3",
     model_cls=DeepseekV3,
@@ -239,7 +291,13 @@ MODEL_SPEC = ModelSpec(
     flavors=DEEPSEEK_V3_FLAVORS,
     description="DeepSeek-V3: multi-head latent attention, shared experts, grouped sigmoid routing, aux-loss-free balancing",
     flops_per_token=flops_per_token,
-    hf=HFNames("deepseek_v3", "DeepseekV3ForCausalLM"),
+    hf=HFNames(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        config_fields=lambda cfg, need, refuse: _deepseek_fields(cfg, need, refuse),
+        config_keys=lambda cfg: _deepseek_keys(cfg),
+        buffers=("feed_forward.expert_bias",),  # the routing biases: transformers' e_score_correction_bias
+    ),
     parallelize=parallelize_llama,
     post_optimizer_hooks=moe_post_optimizer_hooks,
     pipeline_stage=DeepseekV3.keep_stage,

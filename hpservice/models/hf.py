@@ -153,12 +153,11 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
                 scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
             if scaling.get("partial_rotary_factor", 1.0) != 1.0:
                 raise HFFormatError(f"{where}: partial_rotary_factor = {scaling['partial_rotary_factor']!r} is not supported")
-    if found != "qwen2":  # Qwen2's q/k/v always have biases; the others' attention_bias adds o_proj's too
+    adapter = MODEL_SPECS[found].hf
+    if "qkv_bias" not in adapter.variants:  # Qwen2's q/k/v always have biases; the others' adds o_proj's too
         refuse("attention_bias", (None, False), "biases on all four attention projections are not implemented")
     refuse("mlp_bias", (None, False), "our MLP projections have no bias")
     refuse("hidden_act", (None, "silu"), "our MLP is SwiGLU with SiLU")
-    if found in ("qwen2", "qwen3", "qwen3_moe"):
-        refuse("use_sliding_window", (None, False), "Qwen's per-layer sliding windows are not implemented")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     fields = {
@@ -174,75 +173,24 @@ def config_from_hf(path: str | Path, family: str | None = None, **overrides) -> 
         "rope_scaling": scaling,
         "max_seq_len": cfg.get("max_position_embeddings", 2048),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "qkv_bias": found == "qwen2",
-        "qk_norm": found in ("qwen3", "qwen3_moe"),
-        "sliding_window": cfg.get("sliding_window") if found == "mistral" else None,
     }
-    if found == "qwen3_moe":
-        fields.update(_moe_fields(cfg, where))
-    if found == "deepseek_v3":
-        fields.update(_deepseek_fields(cfg, where, refuse))
+
+    def need(key: str):
+        if cfg.get(key) is None:
+            raise HFFormatError(f"{where}: no {key}")
+        return cfg[key]
+
+    try:  # the family's own fields (its state-dict adapter, ModelSpec.hf)
+        fields.update(adapter.config_fields(cfg, need, refuse))
+    except HFFormatError:
+        raise
+    except ValueError as e:
+        raise HFFormatError(f"{where}: {e}") from None
     fields.update(overrides)
     try:
         return config_class(found)(**fields)
     except (TypeError, ValueError) as e:  # the sizes' own rules (heads divide the width, ...)
         raise HFFormatError(f"{where}: {e}") from None
-
-
-def _need(cfg: dict, key: str, where: Path):
-    if cfg.get(key) is None:
-        raise HFFormatError(f"{where}: no {key}")
-    return cfg[key]
-
-
-def _deepseek_fields(cfg: dict, where: Path, refuse) -> dict:
-    """``DeepseekV3Config``'s own fields from a ``deepseek_v3`` config.json."""
-    refuse("rope_interleave", (None, True), "the rotary dims are read in DeepSeek's interleaved order")
-    refuse("scoring_func", (None, "sigmoid"), "DeepSeek-V3's router scores with a sigmoid")
-    refuse("topk_method", (None, "noaux_tc"), "DeepSeek-V3's grouped top-k with correction biases is implemented")
-    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
-    if experts is None:
-        raise HFFormatError(f"{where}: no n_routed_experts (or num_local_experts)")
-    return {
-        "n_kv_heads": _need(cfg, "num_attention_heads", where),  # MLA: every head its own keys and values
-        "attn_head_dim": None,
-        "q_lora_rank": cfg.get("q_lora_rank"),
-        "kv_lora_rank": _need(cfg, "kv_lora_rank", where),
-        "qk_nope_head_dim": _need(cfg, "qk_nope_head_dim", where),
-        "qk_rope_head_dim": _need(cfg, "qk_rope_head_dim", where),
-        "v_head_dim": _need(cfg, "v_head_dim", where),
-        "num_experts": experts,
-        "experts_per_token": _need(cfg, "num_experts_per_tok", where),
-        "moe_hidden_dim": _need(cfg, "moe_intermediate_size", where),
-        "n_shared_experts": cfg.get("n_shared_experts") or 0,
-        "first_dense_layers": cfg.get("first_k_dense_replace") or 0,
-        "n_expert_groups": cfg.get("n_group") or 1,
-        "n_limited_groups": cfg.get("topk_group") or 1,
-        "route_norm": bool(cfg.get("norm_topk_prob", True)),
-        "route_scale": float(cfg.get("routed_scaling_factor", 1.0)),
-    }
-
-
-def _moe_fields(cfg: dict, where: Path) -> dict:
-    """``Qwen3MoeConfig``'s own fields from a ``qwen3_moe`` config.json."""
-    dense = list(cfg.get("mlp_only_layers") or [])
-    if dense != list(range(len(dense))):
-        raise HFFormatError(
-            f"{where}: mlp_only_layers = {dense[:8]!r}{'...' if len(dense) > 8 else ''} is not supported: dense layers must be the first ones (0, 1, ...)"
-        )
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 4's name, 5's
-    if experts is None:
-        raise HFFormatError(f"{where}: no num_experts (or num_local_experts)")
-    return {
-        "num_experts": experts,
-        "experts_per_token": _need(cfg, "num_experts_per_tok", where),
-        "moe_hidden_dim": _need(cfg, "moe_intermediate_size", where),
-        "moe_every": cfg.get("decoder_sparse_step", 1),
-        "first_dense_layers": len(dense),
-        "route_norm": bool(cfg.get("norm_topk_prob", False)),
-        # transformers adds its auxiliary loss only when output_router_logits is set
-        "aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0,
-    }
 
 
 _BLOCK_NAMES = {
@@ -460,46 +408,7 @@ def hf_config(cfg: LlamaConfig, text: dict | None = None, family: str = "llama")
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if family == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
-    elif family in ("qwen2", "qwen3", "qwen3_moe"):
-        config.update(use_sliding_window=False, sliding_window=None)
-        if family != "qwen2":
-            config["attention_bias"] = False
-    elif family == "mistral":
-        config["sliding_window"] = cfg.sliding_window
-    if family == "qwen3_moe":
-        config.update(
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.experts_per_token,
-            moe_intermediate_size=cfg.moe_hidden_dim,
-            decoder_sparse_step=cfg.moe_every,
-            mlp_only_layers=list(range(cfg.first_dense_layers)),
-            norm_topk_prob=cfg.route_norm,
-            router_aux_loss_coef=cfg.aux_loss_coef,
-            output_router_logits=cfg.aux_loss_coef > 0,
-        )
-    if family == "deepseek_v3":
-        config.update(
-            num_key_value_heads=cfg.n_heads,
-            head_dim=cfg.qk_rope_head_dim,
-            q_lora_rank=cfg.q_lora_rank,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            n_routed_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.experts_per_token,
-            moe_intermediate_size=cfg.moe_hidden_dim,
-            n_shared_experts=cfg.n_shared_experts,
-            first_k_dense_replace=cfg.first_dense_layers,
-            n_group=cfg.n_expert_groups,
-            topk_group=cfg.n_limited_groups,
-            norm_topk_prob=cfg.route_norm,
-            routed_scaling_factor=cfg.route_scale,
-            rope_interleave=True,
-            attention_bias=False,
-        )
+    config.update(MODEL_SPECS[family].hf.config_keys(cfg))
     return {**config, **((text or {}).get("config") or {})}
 
 
@@ -507,11 +416,11 @@ def _check_family(cfg: LlamaConfig, family: str) -> None:
     """The variants ``cfg`` uses exist in ``family``'s Hugging Face model (a Llama has no q/k norms)."""
     if family not in FAMILIES:
         raise HFFormatError(f"Hugging Face export covers {', '.join(FAMILIES)}, not {family!r}")
+    adapter = MODEL_SPECS[family].hf
     uses = {"qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm, "sliding_window": cfg.sliding_window is not None}
-    has = {"qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"}, "mistral": {"sliding_window"}, "qwen3_moe": {"qk_norm"}}.get(family, set())
-    missing = [k for k, used in uses.items() if used and k not in has] + [k for k in has if k != "sliding_window" and not uses[k]]
-    if family == "qwen3_moe" and cfg.bias_update_rate:  # biases change routing; transformers' Qwen3-MoE has none
-        missing.append("bias_update_rate")
+    has = adapter.variants
+    missing = [k for k, used in uses.items() if used and k not in has]
+    missing += [k for k in has if k != "sliding_window" and not uses[k]] + adapter.unsupported(cfg)
     if missing:
         raise HFFormatError(
             f"a {family} model with these settings ({', '.join(f'{k}={getattr(cfg, k)!r}' for k in missing)}) "
@@ -666,11 +575,10 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
 
 def _exported(model: Llama, family: str) -> list[tuple[str, torch.Tensor]]:
     """What a Hugging Face checkpoint of ``family`` holds of ``model``: its parameters (a tied
-    head once, as the embedding) and DeepSeek-V3's routing biases."""
+    head once, as the embedding) and the buffers its adapter names (DeepSeek-V3's routing biases)."""
     named = list(model.named_parameters())
-    if family == "deepseek_v3":
-        named += [(n, b) for n, b in model.named_buffers() if n.endswith("feed_forward.expert_bias")]
-    return named
+    buffers = MODEL_SPECS[family].hf.buffers
+    return named + [(n, b) for n, b in model.named_buffers() if buffers and n.endswith(buffers)]
 
 
 def family_of(model: Llama) -> str:

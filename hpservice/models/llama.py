@@ -618,7 +618,7 @@ MODEL_SPEC = ModelSpec(
     flavors=LLAMA_FLAVORS,
     description="Llama 2/3 decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU",
     flops_per_token=flops_per_token,
-    hf=HFNames("llama", "LlamaForCausalLM"),
+    hf=HFNames("llama", "LlamaForCausalLM", config_keys=lambda cfg: {"attention_bias": False, "mlp_bias": False}),
     parallelize=parallelize_llama,
     pipeline_stage=Llama.keep_stage,
 )

@@ -41,7 +41,13 @@ MODEL_SPEC = ModelSpec(
     flavors=MISTRAL_FLAVORS,
     description="Mistral: the Llama decoder with a sliding attention window",
     flops_per_token=flops_per_token,
-    hf=HFNames("mistral", "MistralForCausalLM"),
+    hf=HFNames(
+        "mistral",
+        "MistralForCausalLM",
+        config_fields=lambda cfg, need, refuse: {"sliding_window": cfg.get("sliding_window")},
+        config_keys=lambda cfg: {"sliding_window": cfg.sliding_window},
+        variants=frozenset({"sliding_window"}),
+    ),
     parallelize=parallelize_llama,
     pipeline_stage=Mistral.keep_stage,
 )

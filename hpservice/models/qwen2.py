@@ -51,6 +51,14 @@ class Qwen2(Llama):
     """A Qwen2 / Qwen2.5 model: ``Llama`` with ``cfg.qkv_bias`` (the flavors set it)."""
 
 
+
+def qwen_config_fields(refuse, **fields) -> dict:
+    """The Qwen families' own config fields: ``fields``, once their per-layer sliding windows are
+    known to be off (not implemented)."""
+    refuse("use_sliding_window", (None, False), "Qwen's per-layer sliding windows are not implemented")
+    return fields
+
+
 MODEL_SPEC = ModelSpec(
     name="qwen2",
     model_cls=Qwen2,
@@ -58,7 +66,13 @@ MODEL_SPEC = ModelSpec(
     flavors=QWEN2_FLAVORS,
     description="Qwen2 / Qwen2.5: the Llama decoder with q/k/v biases",
     flops_per_token=flops_per_token,
-    hf=HFNames("qwen2", "Qwen2ForCausalLM"),
+    hf=HFNames(
+        "qwen2",
+        "Qwen2ForCausalLM",
+        config_fields=lambda cfg, need, refuse: qwen_config_fields(refuse, qkv_bias=True),
+        config_keys=lambda cfg: {"use_sliding_window": False, "sliding_window": None},
+        variants=frozenset({"qkv_bias"}),
+    ),
     parallelize=parallelize_llama,
     pipeline_stage=Qwen2.keep_stage,
 )

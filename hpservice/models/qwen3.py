@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from ._spec import HFNames, ModelSpec
 from .llama import Llama, LlamaConfig, flops_per_token, parallelize_llama
+from .qwen2 import qwen_config_fields
+
+QWEN3_CONFIG_KEYS = {"use_sliding_window": False, "sliding_window": None, "attention_bias": False}
 
 QWEN3_FLAVORS: dict[str, LlamaConfig] = {
     # CPU tests and examples: a head width (24) other than dim / n_heads (16), as in the real ones.
@@ -63,7 +66,13 @@ MODEL_SPEC = ModelSpec(
     flavors=QWEN3_FLAVORS,
     description="Qwen3 (dense): the Llama decoder with per-head q/k norms and a head width of its own",
     flops_per_token=flops_per_token,
-    hf=HFNames("qwen3", "Qwen3ForCausalLM"),
+    hf=HFNames(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        config_fields=lambda cfg, need, refuse: qwen_config_fields(refuse, qk_norm=True),
+        config_keys=lambda cfg: QWEN3_CONFIG_KEYS,
+        variants=frozenset({"qk_norm"}),
+    ),
     parallelize=parallelize_llama,
     pipeline_stage=Qwen3.keep_stage,
 )

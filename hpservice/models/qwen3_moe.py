@@ -25,6 +25,8 @@ from torch import nn
 from ._spec import HFNames, ModelSpec
 from .llama import Llama, TransformerBlock, flops_per_token, parallelize_llama
 from .moe import MoE, MoEConfig, moe_post_optimizer_hooks
+from .qwen2 import qwen_config_fields
+from .qwen3 import QWEN3_CONFIG_KEYS
 
 
 @dataclass
@@ -80,6 +82,43 @@ class Qwen3Moe(Llama):
         return block
 
 
+
+def _moe_fields(cfg: dict, need) -> dict:
+    """``Qwen3MoeConfig``'s own fields from a ``qwen3_moe`` config.json."""
+    dense = list(cfg.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise ValueError(
+            f"mlp_only_layers = {dense[:8]!r}{'...' if len(dense) > 8 else ''} is not supported: dense layers must "
+            "be the first ones (0, 1, ...)"
+        )
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 4's name, 5's
+    if experts is None:
+        raise ValueError("no num_experts (or num_local_experts)")
+    return {
+        "num_experts": experts,
+        "experts_per_token": need("num_experts_per_tok"),
+        "moe_hidden_dim": need("moe_intermediate_size"),
+        "moe_every": cfg.get("decoder_sparse_step", 1),
+        "first_dense_layers": len(dense),
+        "route_norm": bool(cfg.get("norm_topk_prob", False)),
+        # transformers adds its auxiliary loss only when output_router_logits is set
+        "aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0,
+    }
+
+
+def _moe_keys(cfg) -> dict:
+    return {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "moe_intermediate_size": cfg.moe_hidden_dim,
+        "decoder_sparse_step": cfg.moe_every,
+        "mlp_only_layers": list(range(cfg.first_dense_layers)),
+        "norm_topk_prob": cfg.route_norm,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "output_router_logits": cfg.aux_loss_coef > 0,
+    }
+
+
 MODEL_SPEC = ModelSpec(
     name="qwen3_moe",
     model_cls=Qwen3Moe,
@@ -87,7 +126,15 @@ MODEL_SPEC = ModelSpec(
     flavors=QWEN3_MOE_FLAVORS,
     description="Qwen3-MoE: Qwen3 blocks with mixture-of-experts feed-forwards (top-k softmax routing)",
     flops_per_token=flops_per_token,
-    hf=HFNames("qwen3_moe", "Qwen3MoeForCausalLM"),
+    hf=HFNames(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        config_fields=lambda cfg, need, refuse: qwen_config_fields(refuse, qk_norm=True, **_moe_fields(cfg, need)),
+        config_keys=lambda cfg: {**QWEN3_CONFIG_KEYS, **_moe_keys(cfg)},
+        variants=frozenset({"qk_norm"}),
+        # routing biases change routing; transformers' Qwen3-MoE has none
+        unsupported=lambda cfg: ["bias_update_rate"] if cfg.bias_update_rate else [],
+    ),
     parallelize=parallelize_llama,
     post_optimizer_hooks=moe_post_optimizer_hooks,
     pipeline_stage=Qwen3Moe.keep_stage,
