@@ -36,17 +36,17 @@ class Composition:
     """A combination that is refused. ``fields(subject, cfg)`` lists the fields at which
     ``subject`` (by ``scope``: the ``parallelism`` section, the whole job, the job with its model's
     config ``cfg``) holds it, none when it does not; ``message`` is formatted with
-    ``facts(subject, cfg)`` and the ``field``."""
+    ``facts(subject, cfg, field)`` and the ``field``."""
 
     id: str
     scope: Scope
     combination: str  # for the docs: what does not compose
     message: str
     fields: Callable[[Any, Any], list[str]]
-    facts: Callable[[Any, Any], dict] = lambda subject, cfg: {}
+    facts: Callable[[Any, Any, str], dict] = lambda subject, cfg, field: {}
 
 
-def _sections(spec, name: str) -> list[tuple[str, Any]]:
+def _sections(spec) -> list[tuple[str, Any]]:
     """``data`` and, where set, ``eval.data``, as (prefix, section)."""
     found = [("data", spec.data)]
     if spec.eval.data is not None:
@@ -56,15 +56,13 @@ def _sections(spec, name: str) -> list[tuple[str, Any]]:
 
 def _seq_len_not_divisible(spec, _) -> list[str]:
     cp = spec.parallelism.cp
-    return [f"{where}.seq_len" for where, d in _sections(spec, "data") if cp > 1 and d.seq_len % (2 * cp)]
+    return [f"{where}.seq_len" for where, d in _sections(spec) if cp > 1 and d.seq_len % (2 * cp)]
 
 
 def _synthetic_without_vocab(spec, _) -> list[str]:
     if spec.model.name is None or ":" not in spec.model.name:
         return []
-    return [
-        f"{where}.vocab_size" for where, d in _sections(spec, "data") if d.kind == "synthetic" and d.vocab_size is None
-    ]
+    return [f"{where}.vocab_size" for where, d in _sections(spec) if d.kind == "synthetic" and d.vocab_size is None]
 
 
 COMPOSITIONS: tuple[Composition, ...] = (
@@ -96,7 +94,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
         message="{seq_len} is not divisible by 2 x parallelism.cp = {chunks} (context parallelism gives each rank a "
         "head and a tail chunk of every sequence)",
         fields=_seq_len_not_divisible,
-        facts=lambda spec, _: {"chunks": 2 * spec.parallelism.cp},
+        facts=lambda spec, _, field: {"seq_len": _at(spec, field), "chunks": 2 * spec.parallelism.cp},
     ),
     Composition(
         id="factory_synthetic_vocab",
@@ -105,7 +103,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
         message="required with a custom model ({name}) on synthetic data: a built-in model's comes from its config, "
         "a factory's is not known before it is built",
         fields=_synthetic_without_vocab,
-        facts=lambda spec, _: {"name": spec.model.name},
+        facts=lambda spec, _, field: {"name": spec.model.name},
     ),
     Composition(
         id="fsdp_options_without_dp",
@@ -138,10 +136,7 @@ def refusals(scope: Scope, subject: Any, cfg: Any = None) -> list[tuple[str, str
         if rule.scope != scope:
             continue
         for field in rule.fields(subject, cfg):
-            facts = rule.facts(subject, cfg)
-            if field.endswith(".seq_len") and "seq_len" not in facts:
-                facts = {**facts, "seq_len": _at(subject, field)}
-            out.append((field, rule.message.format(field=field, **facts)))
+            out.append((field, rule.message.format(field=field, **rule.facts(subject, cfg, field))))
     return out
 
 
