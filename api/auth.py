@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi import Depends, Request
 
+from hpservice.jobs import JobRecord
+
 from .errors import APIError
 from .settings import Principal, Settings
 
@@ -28,5 +30,5 @@ def current_principal(request: Request, settings: Settings = Depends(get_setting
     return principal
 
 
-def visible(principal: Principal, job: dict | None) -> bool:
-    return job is not None and (principal.admin or job["owner"] == principal.owner)
+def visible(principal: Principal, job: JobRecord | None) -> bool:
+    return job is not None and (principal.admin or job.owner == principal.owner)

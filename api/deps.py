@@ -12,6 +12,7 @@ import re
 
 from fastapi import Depends, Request
 
+from hpservice.jobs import JobRecord
 from hpservice.spec import RUN_ID_PATTERN
 
 from .auth import current_principal, get_settings, visible
@@ -31,7 +32,7 @@ def get_supervisor(request: Request) -> Supervisor:
     return request.app.state.supervisor
 
 
-def visible_job(job_id: str, store: Store = Depends(get_store), principal: Principal = Depends(current_principal)) -> dict:
+def visible_job(job_id: str, store: Store = Depends(get_store), principal: Principal = Depends(current_principal)) -> JobRecord:
     """The job ``job_id`` names, if its caller may see it (its owner, or an admin); 404 otherwise,
     the same as for a job that does not exist (an id no job can have is not looked up: a NUL
     byte, say, would reach PostgreSQL)."""

@@ -18,6 +18,7 @@ The schema is Alembic's (``api/migrations``): opening a store upgrades it to the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -104,8 +105,25 @@ class JobRow(Base):
             spec_json=json.dumps(record.spec), **store_only,
         )  # fmt: skip
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.to_record().to_dict()
+    def to_active(self) -> ActiveJob:
+        """The row as the supervisor follows it: the record and the store's launch bookkeeping."""
+        record = self.to_record()
+        return ActiveJob(
+            **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)},
+            started=bool(self.started), log_time=self.log_time, log_seq=self.log_seq,
+            cancel_requested=bool(self.cancel_requested),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(kw_only=True)
+class ActiveJob(JobRecord):
+    """A live job as the supervisor follows it (``Store.jobs_in``): its record, and the store's own
+    bookkeeping of its launch, which no other layer sees."""
+
+    started: bool = False  # its coordinator was launched
+    log_time: float = 0.0  # the newest log line stored (stores from before log_seq)
+    log_seq: int | None = None  # the coordinator's log cursor: the last line stored
+    cancel_requested: bool = False  # a cancel that found it launched: the leader stops its coordinator
 
 
 class MetricRow(Base):
@@ -201,7 +219,7 @@ class Store:
         request_hash: str | None = None,
         submitted: dict | None = None,
     ):
-        """Insert a QUEUED job; returns (row dict, created). An idempotency key seen before for the
+        """Insert a QUEUED job; returns (its record, created). An idempotency key seen before for the
         same owner returns the existing job instead, or (None, False) when that job was submitted
         with a different request (``request_hash``); also when another replica stores the same
         key at the same moment (the database's unique constraint decides which one)."""
@@ -222,7 +240,7 @@ class Store:
                 s.add(row)
                 self._add_event(s, job_id, "state", {"state": JobState.QUEUED, "message": "submitted", "restarts": 0, "time": now})
                 s.commit()
-                return row.to_dict(), True
+                return row.to_record(), True
             except IntegrityError:
                 s.rollback()
                 existing = self._by_key(owner, idempotency_key, request_hash) if idempotency_key is not None else None
@@ -230,8 +248,8 @@ class Store:
                     raise
                 return existing
 
-    def _by_key(self, owner: str, key: str, request_hash: str | None) -> tuple[dict | None, bool] | None:
-        """The job ``owner`` submitted with idempotency key ``key``: (its row dict, False), or
+    def _by_key(self, owner: str, key: str, request_hash: str | None) -> tuple[JobRecord | None, bool] | None:
+        """The job ``owner`` submitted with idempotency key ``key``: (its record, False), or
         (None, False) when it was submitted with another request; None when there is none."""
         with self.session() as s:
             existing = s.scalar(select(JobRow).where(JobRow.owner == owner, JobRow.idempotency_key == key))
@@ -239,7 +257,7 @@ class Store:
                 return None
             if request_hash is not None and existing.request_hash not in (None, request_hash):
                 return None, False
-            return existing.to_dict(), False
+            return existing.to_record(), False
 
     def submitted_spec(self, job_id: str) -> dict | None:
         """The job's spec as its owner submitted it, before admission resolved its paths (None for
@@ -248,14 +266,14 @@ class Store:
             row = s.get(JobRow, job_id)
             return json.loads(row.submitted_json) if row is not None and row.submitted_json else None
 
-    def get_job(self, job_id: str) -> dict | None:
+    def get_job(self, job_id: str) -> JobRecord | None:
         with self.session() as s:
             row = s.get(JobRow, job_id)
-            return row.to_dict() if row else None
+            return row.to_record() if row else None
 
     def list_jobs(
         self, *, owner: str | None, state: str | None, name: str | None, limit: int, cursor: tuple[float, str] | None
-    ) -> list[dict]:
+    ) -> list[JobRecord]:
         """Newest first; ``cursor`` is the (created_at, id) of the last item of the previous page."""
         q = select(JobRow)
         if owner is not None:
@@ -269,18 +287,12 @@ class Store:
             q = q.where((JobRow.created_at < created) | ((JobRow.created_at == created) & (JobRow.id < last_id)))
         q = q.order_by(JobRow.created_at.desc(), JobRow.id.desc()).limit(limit)
         with self.session() as s:
-            return [r.to_dict() for r in s.scalars(q)]
+            return [r.to_record() for r in s.scalars(q)]
 
-    def jobs_in(self, states: tuple[str, ...]) -> list[dict]:
+    def jobs_in(self, states: tuple[str, ...]) -> list[ActiveJob]:
         with self.session() as s:
             rows = s.scalars(select(JobRow).where(JobRow.state.in_(states)).order_by(JobRow.created_at, JobRow.id))
-            return [
-                dict(
-                    r.to_dict(), started=bool(r.started), log_time=r.log_time, log_seq=r.log_seq,
-                    cancel_requested=bool(r.cancel_requested),
-                )
-                for r in rows
-            ]  # fmt: skip
+            return [r.to_active() for r in rows]
 
     def set_message(self, job_id: str, message: str) -> None:
         """A new message for the job's current state (no state change, no history entry)."""

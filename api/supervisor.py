@@ -48,12 +48,12 @@ import ray
 from hpservice.actors import NAMESPACE, Continuation, JobHandle, start_job, worker_name
 from hpservice.actors.nodes import alive_resources
 from hpservice.actors.placement import cluster_fit
-from hpservice.jobs import ACTIVE_STATES, COORDINATOR_ENDS, TERMINAL_STATES, WAITING_STATES, JobState
+from hpservice.jobs import ACTIVE_STATES, COORDINATOR_ENDS, TERMINAL_STATES, WAITING_STATES, JobRecord, JobState
 from hpservice.spec import parse_job
 
 from .scheduler import JobDemand, Quotas, decide
 from .settings import LEASE_TTL_S
-from .store import Store
+from .store import ActiveJob, Store
 
 log = logging.getLogger("hpservice.api.supervisor")
 
@@ -140,11 +140,11 @@ class Supervisor:
         sizes = [int(n.get("Resources", {}).get("memory", 0)) for n in nodes if n.get("Alive")]
         return max(sizes, default=0) or None
 
-    def cancel(self, job: dict) -> None:
+    def cancel(self, job: JobRecord) -> None:
         """Cancel ``job`` on whichever replica the request came to: one transition, whatever the
         launch is doing (see the module doc); a launched job's coordinator is asked to stop by
         the leader's next tick."""
-        self.store.request_cancel(job["id"])
+        self.store.request_cancel(job.id)
 
     # ---- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -177,24 +177,24 @@ class Supervisor:
     def tick(self) -> None:
         jobs = self.store.jobs_in(ACTIVE_STATES)
         self._unlaunched.clear()
-        self._cancelling &= {j["id"] for j in jobs}
+        self._cancelling &= {j.id for j in jobs}
         self._schedule(jobs)
         self._collect()
         now = time.monotonic()
         for job in jobs:
-            if not job["started"]:
+            if not job.started:
                 continue
-            if job["cancel_requested"] and job["id"] not in self._cancelling:
-                self._stop_cancelled(job["id"])
-            request = self._requests.get(job["id"])
+            if job.cancel_requested and job.id not in self._cancelling:
+                self._stop_cancelled(job.id)
+            request = self._requests.get(job.id)
             if request is None:
-                if job["id"] in self._unlaunched:
+                if job.id in self._unlaunched:
                     continue  # requeued or preempted by an answer collected in this tick
                 self._ask(job)
             elif not request.overdue and now - request.issued > self.poll_timeout_s:
                 request.overdue = True
                 self.store.set_message(
-                    job["id"], f"unhealthy: its coordinator has not answered for {self.poll_timeout_s:g} s"
+                    job.id, f"unhealthy: its coordinator has not answered for {self.poll_timeout_s:g} s"
                 )
         self._collect(wait_s=0.1)  # answers that come at once are stored in this tick
 
@@ -206,11 +206,11 @@ class Supervisor:
             handle.stop(graceful=True, deadline_s=60, wait=False)
             self._cancelling.add(job_id)
 
-    def _schedule(self, jobs: list[dict]) -> None:
+    def _schedule(self, jobs: list[ActiveJob]) -> None:
         """Start the queued jobs the scheduler picks (``api/scheduler.py``: priority, quotas, fair
         share, backfill); tell every other queued job why it waits; fail the ones that can
         never fit."""
-        queued = [j for j in jobs if not j["started"]]
+        queued = [j for j in jobs if not j.started]
         if not queued:
             return
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
@@ -221,15 +221,15 @@ class Supervisor:
             why = cluster_fit(spec, spec.resources.gpus_per_worker(cluster_gpus), alive)
             if why is not None:
                 with self._lock:
-                    if not self.store.is_started(job["id"]):
-                        self.store.set_state(job["id"], JobState.FAILED, why)
+                    if not self.store.is_started(job.id):
+                        self.store.set_state(job.id, JobState.FAILED, why)
                 continue
-            demands[job["id"]] = self._demand(job, spec, cluster_gpus)
-        running = [self._demand(j, self._spec_of(j), cluster_gpus) for j in jobs if j["started"]]
+            demands[job.id] = self._demand(job, spec, cluster_gpus)
+        running = [self._demand(j, self._spec_of(j), cluster_gpus) for j in jobs if j.started]
         self._preempting &= {r.id for r in running}
         free = dict(ray.available_resources())
-        for job, demand in zip([j for j in jobs if j["started"]], running, strict=True):
-            if job["state"] == JobState.QUEUED:  # launched, its placement group maybe not placed yet
+        for job, demand in zip([j for j in jobs if j.started], running, strict=True):
+            if job.state == JobState.QUEUED:  # launched, its placement group maybe not placed yet
                 free["CPU"] = free.get("CPU", 0) - demand.workers * demand.cpus
                 free["GPU"] = free.get("GPU", 0) - demand.workers * demand.gpus
         decision = decide(
@@ -246,57 +246,58 @@ class Supervisor:
             if handle is not None:  # it checkpoints, stops, and comes back PREEMPTED (see _store_answer)
                 handle.stop(graceful=True, deadline_s=60, wait=False, preempted_by=reason)
                 self._preempting.add(job_id)
-        by_id = {j["id"]: j for j in queued}
+        by_id = {j.id: j for j in queued}
         for job_id in decision.start:
             self._launch(by_id[job_id])
         for job_id, reason in decision.waiting.items():
             if self._reasons.get(job_id) != reason:  # each new reason once, in the job's history
                 self._reasons[job_id] = reason
-                self.store.set_state(job_id, by_id[job_id]["state"], reason)  # QUEUED or PREEMPTED
-        active = {j["id"] for j in jobs}
+                self.store.set_state(job_id, by_id[job_id].state, reason)  # QUEUED or PREEMPTED
+        active = {j.id for j in jobs}
         for cache in (self._reasons, self._specs):
             for job_id in [k for k in cache if k not in active]:
                 del cache[job_id]
 
-    def _spec_of(self, job: dict):
-        spec = self._specs.get(job["id"])
+    def _spec_of(self, job: JobRecord):
+        spec = self._specs.get(job.id)
         if spec is None:
-            spec = self._specs[job["id"]] = parse_job(job["spec"])
+            spec = self._specs[job.id] = parse_job(job.spec)
         return spec
 
     @staticmethod
-    def _demand(job: dict, spec, cluster_gpus: float) -> JobDemand:
+    def _demand(job: JobRecord, spec, cluster_gpus: float) -> JobDemand:
         r = spec.resources
         return JobDemand(
-            job["id"], job["owner"], spec.scheduling.priority, r.workers, r.cpus_per_worker,
-            r.gpus_per_worker(cluster_gpus), job["created_at"],
+            job.id, job.owner, spec.scheduling.priority, r.workers, r.cpus_per_worker,
+            r.gpus_per_worker(cluster_gpus), job.created_at,
         )  # fmt: skip
 
-    def _launch(self, job: dict) -> None:
+    def _launch(self, job: ActiveJob) -> None:
         spec = self._spec_of(job)
         continuation = None
-        if job["checkpoints"]:  # requeued after its cluster was lost: go on from the latest one
+        if job.checkpoints:  # requeued after its cluster was lost: go on from the latest one
             spec = spec.resuming_from_latest()
             # the new coordinator continues the store's record (checkpoints, log numbers), not from nothing
             continuation = Continuation(
-                tuple(job["checkpoints"]), job.get("log_seq") or 0, job["checkpoints"][-1]["step"],
-                self.store.last_metric_step(job["id"]),
+                tuple(job.checkpoints), job.log_seq or 0, job.checkpoints[-1]["step"],
+                self.store.last_metric_step(job.id),
             )  # fmt: skip
         with self._lock:
-            if (self.store.get_job(job["id"]) or {}).get("state") not in WAITING_STATES:
+            current = self.store.get_job(job.id)
+            if current is None or current.state not in WAITING_STATES:
                 return  # cancelled meanwhile
-            if not self.store.claim_launch(job["id"]):
+            if not self.store.claim_launch(job.id):
                 return  # launched meanwhile (by a replica whose lease this one took over)
             try:
-                self._handles[job["id"]] = start_job(spec, job_id=job["id"], continuation=continuation)
+                self._handles[job.id] = start_job(spec, job_id=job.id, continuation=continuation)
             except ValueError as e:  # the name is still held by a coordinator Ray has not yet marked dead
-                self.store.mark_not_started(job["id"])
-                log.warning("job %s not launched yet: %s", job["id"], e)
+                self.store.mark_not_started(job.id)
+                log.warning("job %s not launched yet: %s", job.id, e)
                 return
             except BaseException:
-                self.store.mark_not_started(job["id"])
+                self.store.mark_not_started(job.id)
                 raise
-            self._reasons.pop(job["id"], None)
+            self._reasons.pop(job.id, None)
 
     def _handle(self, job_id: str) -> JobHandle | None:
         if not ray.is_initialized():
@@ -310,18 +311,18 @@ class Supervisor:
                     return None
             return handle
 
-    def _ask(self, job: dict) -> None:
+    def _ask(self, job: ActiveJob) -> None:
         """Send one news request to the job's coordinator; never waits for the answer."""
-        handle = self._handle(job["id"])
+        handle = self._handle(job.id)
         if handle is None:  # the Ray cluster it ran on is gone
-            self._coordinator_lost(job["id"], "its coordinator is gone (the Ray cluster restarted?)")
+            self._coordinator_lost(job.id, "its coordinator is gone (the Ray cluster restarted?)")
             return
         coordinator = handle.coordinator
-        self._requests[job["id"]] = _Request(
+        self._requests[job.id] = _Request(
             handle=handle,
-            poll=coordinator.poll.remote(*self._metric_cursor(job["id"], handle)),
-            logs=coordinator.logs.remote(None, None, 0, max(job.get("log_seq") or 0, self._log_cursors.get(job["id"], 0))),
-            log_time=job["log_time"] if job.get("log_seq") is None else -1.0,
+            poll=coordinator.poll.remote(*self._metric_cursor(job.id, handle)),
+            logs=coordinator.logs.remote(None, None, 0, max(job.log_seq or 0, self._log_cursors.get(job.id, 0))),
+            log_time=job.log_time if job.log_seq is None else -1.0,
             issued=time.monotonic(),
         )
 
@@ -341,11 +342,11 @@ class Supervisor:
         outlives the coordinator; without a checkpoint it fails, saying why. Whatever workers
         the dead coordinator left are killed first, so the relaunch gets their resources."""
         job = self.store.get_job(job_id)
-        if job is None or job["state"] in TERMINAL_STATES:
+        if job is None or job.state in TERMINAL_STATES:
             return
-        _kill_orphans(job_id, job["spec"].get("resources", {}).get("workers", 0))
-        if job["checkpoints"]:
-            step = job["checkpoints"][-1]["step"]
+        _kill_orphans(job_id, job.spec.get("resources", {}).get("workers", 0))
+        if job.checkpoints:
+            step = job.checkpoints[-1]["step"]
             self.store.requeue(job_id, f"requeued: {why}; it resumes from its checkpoint of step {step}")
             self._unlaunched.add(job_id)
         else:

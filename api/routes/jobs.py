@@ -18,7 +18,7 @@ import yaml
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from hpservice.jobs import TERMINAL_STATES, JobState
+from hpservice.jobs import TERMINAL_STATES, JobRecord, JobState
 from hpservice.preflight import check_layout, raise_if
 from hpservice.spec import (
     INT64,
@@ -57,9 +57,10 @@ SPEC_BODY = {
 }
 
 
-def _out(settings: Settings, job: dict) -> dict:
+def _out(settings: Settings, job: JobRecord) -> dict:
+    """The wire form of a job record (``JobOut``): its fields and the dashboard's address."""
     base = settings.dashboard_url
-    return {**job, "ray_dashboard_url": f"{base}/#/actors" if base else None}
+    return {**job.to_dict(), "ray_dashboard_url": f"{base}/#/actors" if base else None}
 
 
 async def _read_body(request: Request) -> bytes:
@@ -175,7 +176,7 @@ async def _create(request, spec, principal, settings, store, supervisor, idempot
 @router.post("/{job_id}/resubmit", status_code=201, response_model=JobOut)
 async def resubmit(
     request: Request,
-    job: dict = Depends(visible_job),
+    job: JobRecord = Depends(visible_job),
     principal: Principal = Depends(current_principal),
     settings: Settings = Depends(get_settings),
     store: Store = Depends(get_store),
@@ -183,9 +184,9 @@ async def resubmit(
 ):
     """A new job from this job's spec as it was submitted (validated and admitted again, for the
     caller: the new job writes into its own directory)."""
-    submitted = await asyncio.to_thread(store.submitted_spec, job["id"])
+    submitted = await asyncio.to_thread(store.submitted_spec, job.id)
     if submitted is None:
-        raise APIError(409, f"job {job['id']} was stored before submitted specs were kept; submit its file again")
+        raise APIError(409, f"job {job.id} was stored before submitted specs were kept; submit its file again")
     spec = await request.app.state.validation.run(principal.owner, _validate, submitted)
     new, _ = await _create(request, spec, principal, settings, store, supervisor)
     return JSONResponse(_out(settings, new), status_code=201)
@@ -224,47 +225,47 @@ def list_jobs(
     next_cursor = None
     if len(items) == limit:
         last = items[-1]
-        next_cursor = base64.urlsafe_b64encode(json.dumps([last["created_at"], last["id"]]).encode()).decode()
+        next_cursor = base64.urlsafe_b64encode(json.dumps([last.created_at, last.id]).encode()).decode()
     return {"items": [_out(settings, j) for j in items], "next_cursor": next_cursor}
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(job: dict = Depends(visible_job), settings: Settings = Depends(get_settings)):
+def get_job(job: JobRecord = Depends(visible_job), settings: Settings = Depends(get_settings)):
     return _out(settings, job)
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut)
 def cancel(
-    job: dict = Depends(visible_job),
+    job: JobRecord = Depends(visible_job),
     settings: Settings = Depends(get_settings),
     store: Store = Depends(get_store),
     supervisor: Supervisor = Depends(get_supervisor),
 ):
     supervisor.cancel(job)
-    return _out(settings, store.get_job(job["id"]))
+    return _out(settings, store.get_job(job.id))
 
 
 @router.delete("/{job_id}", status_code=204)
-def delete(job: dict = Depends(visible_job), store: Store = Depends(get_store)):
-    if job["state"] not in TERMINAL_STATES:
-        raise APIError(409, f"job {job['id']} is {job['state']}; cancel it and wait for it to end first")
-    store.delete_job(job["id"])
+def delete(job: JobRecord = Depends(visible_job), store: Store = Depends(get_store)):
+    if job.state not in TERMINAL_STATES:
+        raise APIError(409, f"job {job.id} is {job.state}; cancel it and wait for it to end first")
+    store.delete_job(job.id)
     return Response(status_code=204)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPage)
 def metrics(
-    job: dict = Depends(visible_job),
+    job: JobRecord = Depends(visible_job),
     store: Store = Depends(get_store),
     since_step: int = Query(0, ge=0, le=INT64[1]),
 ):
-    records = store.metrics(job["id"], since_step)
+    records = store.metrics(job.id, since_step)
     return {"records": records, "next_since_step": records[-1]["step"] if records else since_step}
 
 
 @router.get("/{job_id}/logs", response_model=LogList)
 def logs(
-    job: dict = Depends(visible_job),
+    job: JobRecord = Depends(visible_job),
     store: Store = Depends(get_store),
     rank: int | None = Query(None, ge=0, le=1 << 20),
     tail: int | None = Query(None, ge=1, le=100_000),
@@ -273,13 +274,13 @@ def logs(
 ):
     if tail is not None and limit is not None:
         raise APIError(422, "tail and limit exclude each other: tail is the last lines, limit a page from since")
-    lines, cursor = store.logs(job["id"], rank, tail, since, limit)
+    lines, cursor = store.logs(job.id, rank, tail, since, limit)
     return {"lines": lines, "next_since": cursor}
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
-def checkpoints(job: dict = Depends(visible_job)):
-    return {"checkpoints": job["checkpoints"]}
+def checkpoints(job: JobRecord = Depends(visible_job)):
+    return {"checkpoints": job.checkpoints}
 
 
 ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # flat names only: no path can be built
@@ -287,7 +288,7 @@ ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # flat names 
 
 def _artifacts_dir(job: dict) -> Path:
     """The run's artifacts folder, from the stored (admitted) spec: inside the job's own directory."""
-    return Path(parse_job(job["spec"]).artifacts_dir(job["id"]))
+    return Path(parse_job(job.spec).artifacts_dir(job.id))
 
 
 def _list_artifacts(folder: Path) -> list[tuple[str, int]]:
@@ -303,10 +304,10 @@ def _list_artifacts(folder: Path) -> list[tuple[str, int]]:
 
 
 @router.get("/{job_id}/artifacts", response_model=ArtifactList)
-async def artifacts(job: dict = Depends(visible_job)):
+async def artifacts(job: JobRecord = Depends(visible_job)):
     """Files the run wrote for download: profiler traces (``*.trace.json``, Chrome/Perfetto) and
     CUDA memory snapshots (``*.memory.pickle``) from ``metrics.profile``, one per rank."""
-    job_id = job["id"]
+    job_id = job.id
     found = await asyncio.to_thread(_list_artifacts, _artifacts_dir(job))
     rank = re.compile(r"^rank(\d+)-")
     return {
@@ -323,8 +324,8 @@ async def artifacts(job: dict = Depends(visible_job)):
 
 
 @router.get("/{job_id}/artifacts/{name}", response_class=FileResponse, responses={200: {"content": {"application/octet-stream": {}}}})
-async def artifact(name: str, job: dict = Depends(visible_job)):
-    job_id = job["id"]
+async def artifact(name: str, job: JobRecord = Depends(visible_job)):
+    job_id = job.id
     if not ARTIFACT_NAME.match(name):
         raise APIError(404, f"job {job_id} has no artifact {name!r}")
     path = _artifacts_dir(job) / name
@@ -342,7 +343,7 @@ async def artifact(name: str, job: dict = Depends(visible_job)):
 async def export_checkpoint(
     request: Request,
     step: int,
-    job: dict = Depends(visible_job),
+    job: JobRecord = Depends(visible_job),
     settings: Settings = Depends(get_settings),
     format: str = Query("hf", pattern="^hf$", description="hf: config.json + sharded safetensors + index"),
 ):
@@ -354,12 +355,12 @@ async def export_checkpoint(
     from hpservice.checkpoint import CheckpointError, step_dir_name
     from hpservice.models.hf import HFFormatError, export_checkpoint_hf
 
-    job_id = job["id"]
-    found = [c for c in job["checkpoints"] if c.get("step") == step]
+    job_id = job.id
+    found = [c for c in job.checkpoints if c.get("step") == step]
     if not found:
-        steps = [c.get("step") for c in job["checkpoints"]]
+        steps = [c.get("step") for c in job.checkpoints]
         raise APIError(404, f"job {job_id} has no committed checkpoint of step {step} (it has {steps})")
-    home = job_dir(settings, job["owner"], job_id)
+    home = job_dir(settings, job.owner, job_id)
     out = home / "exports" / f"{step_dir_name(step)}-hf"
     exports: Exports = request.app.state.exports
 
@@ -375,7 +376,7 @@ async def export_checkpoint(
         except Exception as e:  # whatever else: a message, never an uncaught 500
             raise APIError(500, f"export of step {step} failed: {type(e).__name__}: {e}") from None
 
-    done = await exports.run(job["owner"], str(out), run)
+    done = await exports.run(job.owner, str(out), run)
     return {"step": step, "format": format, "path": str(out), "files": done["files"], "tensors": done["tensors"]}
 
 
@@ -384,13 +385,13 @@ async def export_checkpoint(
 )
 async def events(
     request: Request,
-    job: dict = Depends(visible_job),  # read in the thread pool, as every dependency here
+    job: JobRecord = Depends(visible_job),  # read in the thread pool, as every dependency here
     store: Store = Depends(get_store),
     last_event_id: str | None = Header(None, max_length=20),
     token: str | None = Query(None, max_length=400, description="bearer token, for EventSource clients"),
     principal: Principal = Depends(current_principal),
 ):
-    job_id = job["id"]
+    job_id = job.id
     try:
         after = int(last_event_id) if last_event_id else 0
     except ValueError:
@@ -426,7 +427,7 @@ async def events(
             job = await asyncio.to_thread(store.get_job, job_id)
             if job is None:
                 return  # deleted
-            if job["state"] in TERMINAL_STATES:
+            if job.state in TERMINAL_STATES:
                 # It may have ended between the read of events and this one: deliver what came
                 # meanwhile (its terminal state event among it), else the stream is over.
                 if await asyncio.to_thread(store.events, job_id, after, 1):

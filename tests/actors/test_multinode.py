@@ -208,19 +208,19 @@ def test_a_deployment_shaped_job_survives_a_worker_pod_restart_and_exports_from_
         store.create_job(job_id, spec.name, "alice", spec.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
         try:
-            _wait(lambda: (j := store.get_job(job_id))["checkpoints"] and j["step"] >= 7, "held at step 7")
+            _wait(lambda: (j := store.get_job(job_id)).checkpoints and j.step >= 7, "held at step 7")
             node_id = JobHandle.attach(job_id).status()["placement"][0]["node_id"]
             cluster.remove_node(_node_of(cluster, node_id), allow_graceful=False)  # the worker pod dies
-            _wait(lambda: store.get_job(job_id)["message"].startswith("waiting for capacity"), "waiting for capacity")
+            _wait(lambda: store.get_job(job_id).message.startswith("waiting for capacity"), "waiting for capacity")
             hold.unlink()
             cluster.add_node(num_cpus=2)  # its replacement joins
-            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300)
+            final = _wait(lambda: (j := store.get_job(job_id)).state in ("SUCCEEDED", "FAILED") and j, "ended", timeout=300)
         finally:
             supervisor.stop()
-    assert final["state"] == "SUCCEEDED" and final["restarts"] == 0, final
-    assert "lacks the metrics" not in final["message"], final
-    assert [c["step"] for c in final["checkpoints"]] == [steps]
-    assert final["checkpoints"][0]["path"].startswith(str(home.resolve()))
+    assert final.state == "SUCCEEDED" and final.restarts == 0, final
+    assert "lacks the metrics" not in final.message, final
+    assert [c["step"] for c in final.checkpoints] == [steps]
+    assert final.checkpoints[0]["path"].startswith(str(home.resolve()))
     with TestClient(create_app(settings, connect_ray=False, supervise=False)) as api:
         r = api.post(f"/v1/jobs/{job_id}/checkpoints/{steps}/export", headers={"Authorization": "Bearer t-alice"})
         assert r.status_code == 200, r.text
@@ -260,8 +260,8 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
                 _wait(lambda k=kill: _requeues(store.get_job(job_id)) == k, f"attempt {kill + 1} launched")
                 hold.write_text(str(at))
                 _wait(
-                    lambda a=at: (j := store.get_job(job_id))["state"] == "RUNNING"
-                    and j["step"] >= a
+                    lambda a=at: (j := store.get_job(job_id)).state == "RUNNING"
+                    and j.step >= a
                     and any(c["step"] == a - 2 for c in j["checkpoints"]),
                     f"held at step {at} in attempt {kill + 1}",
                 )
@@ -271,20 +271,20 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
                 cluster.add_node(**coordinator_node)  # room for the next coordinator
             _wait(lambda: _requeues(store.get_job(job_id)) == 2, "attempt 3 launched")
             hold.unlink()
-            final = _wait(lambda: (j := store.get_job(job_id))["state"] in ("SUCCEEDED", "FAILED") and j, "", timeout=300)
+            final = _wait(lambda: (j := store.get_job(job_id)).state in ("SUCCEEDED", "FAILED") and j, "", timeout=300)
         except AssertionError:
             job_now = store.get_job(job_id)
-            history = [(h["state"], h["message"]) for h in job_now["history"]][-6:]
+            history = [(h["state"], h["message"]) for h in job_now.history][-6:]
             raise AssertionError(f"not ended: {job_now['state']} at step {job_now['step']}; {history}") from None
         finally:
             supervisor.stop()
-    assert final["state"] == "SUCCEEDED", final
-    assert "lacks the metrics" not in final["message"], final["message"]
-    messages = [h["message"] for h in final["history"]]
+    assert final.state == "SUCCEEDED", final
+    assert "lacks the metrics" not in final.message, final.message
+    messages = [h["message"] for h in final.history]
     requeued = [m for m in messages if m.startswith("requeued: its coordinator died")]
     assert len(requeued) == 2 and all("resumes from its checkpoint of step" in m for m in requeued), messages
-    assert final["step"] == steps
-    assert [c["step"] for c in final["checkpoints"]] == [steps - 5, steps]  # keep: 2, across attempts
+    assert final.step == steps
+    assert [c["step"] for c in final.checkpoints] == [steps - 5, steps]  # keep: 2, across attempts
     records = store.metrics(job_id, 0)
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step, once
     lines, _ = store.logs(job_id, None, None)
@@ -293,9 +293,9 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
     assert [r["loss"] for r in records] == expected  # bitwise
 
 
-def _requeues(job: dict) -> int:
+def _requeues(job) -> int:
     """Attempts a job has had relaunched (after its coordinator's node was lost) that are running."""
-    history = [(h["state"], h["message"]) for h in job["history"]]
+    history = [(h["state"], h["message"]) for h in job.history]
     requeued = sum(1 for state, message in history if message.startswith("requeued: its coordinator died"))
     return requeued if history[-1][0] == "RUNNING" else -1
 
@@ -374,13 +374,13 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
         store.create_job("low-0001", "low", "alice", low.model_dump(mode="json", by_alias=True), steps, None)
         supervisor.start()
         try:
-            _wait(lambda: (j := store.get_job("low-0001"))["state"] == "RUNNING" and j["step"] >= 8, "low held at step 8")
+            _wait(lambda: (j := store.get_job("low-0001")).state == "RUNNING" and j.step >= 8, "low held at step 8")
             store.create_job("high-0001", "high", "bob", high.model_dump(mode="json", by_alias=True), 10, None)
-            _wait(lambda: store.get_job("low-0001")["state"] == "PREEMPTED", "low preempted")
+            _wait(lambda: store.get_job("low-0001").state == "PREEMPTED", "low preempted")
             hold.unlink()
             ended = ("SUCCEEDED", "FAILED", "CANCELLED")
             final = _wait(
-                lambda: all(store.get_job(i)["state"] in ended for i in ("low-0001", "high-0001")),
+                lambda: all(store.get_job(i).state in ended for i in ("low-0001", "high-0001")),
                 "both ended",
                 timeout=300,
             )
@@ -389,8 +389,8 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
         assert final
         low_job, high_job = store.get_job("low-0001"), store.get_job("high-0001")
         records = store.metrics("low-0001", 0)
-    assert low_job["state"] == "SUCCEEDED" and high_job["state"] == "SUCCEEDED", (low_job, high_job)
-    low_history = [(h["state"], h["message"]) for h in low_job["history"]]
+    assert low_job.state == "SUCCEEDED" and high_job.state == "SUCCEEDED", (low_job, high_job)
+    low_history = [(h["state"], h["message"]) for h in low_job.history]
     assert (
         "CANCELLING",
         "preempted by job high-0001 (priority 10 > 0): finishing the current step and checkpointing",
@@ -400,9 +400,9 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_with_an_undi
         "preempted by job high-0001 (priority 10 > 0); stopped gracefully at step"
     )
     assert any(
-        h["message"] == "waiting for low-0001 to checkpoint and stop (preempted for it)" for h in high_job["history"]
+        h["message"] == "waiting for low-0001 to checkpoint and stop (preempted for it)" for h in high_job.history
     )
-    ends = {j["id"]: next(h["time"] for h in j["history"] if h["state"] == "SUCCEEDED") for j in (low_job, high_job)}
+    ends = {j.id: next(h["time"] for h in j.history if h["state"] == "SUCCEEDED") for j in (low_job, high_job)}
     assert ends["high-0001"] < ends["low-0001"]
     expected = ranks(2).run(_torchrun_losses, _spec(tmp_path / "ref", "low", training={"steps": steps}))[0]
     by_step = {r["step"]: r["loss"] for r in records}
@@ -430,10 +430,10 @@ def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(head, tmp_path, 
         store.create_job(name, name, owner, spec.model_dump(mode="json", by_alias=True), spec.training.steps, None)
 
     def state(name):
-        return store.get_job(name)["state"]
+        return store.get_job(name).state
 
     def started_at(name):
-        return next(h["time"] for h in store.get_job(name)["history"] if h["state"] == "STARTING")
+        return next(h["time"] for h in store.get_job(name).history if h["state"] == "STARTING")
 
     long = {"steps": 1_000_000}
     with simulated_cluster(head, {"num_cpus": 2}):
@@ -447,13 +447,13 @@ def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(head, tmp_path, 
             submit(store, "a2", "alice", **long)
             submit(store, "b1", "bob", workers=2)
             submit(store, "y1", "yvonne")
-            _wait(lambda: store.get_job("b1")["message"].startswith("waiting for resources: needs 2 x"), "b1 waiting")
+            _wait(lambda: store.get_job("b1").message.startswith("waiting for resources: needs 2 x"), "b1 waiting")
             store.request_cancel("z1")  # a CPU frees: y1 goes ahead of a2 (fair share) and of b1 (backfill)
             _wait(lambda: state("y1") == "SUCCEEDED", "y1 done", timeout=240)
             _wait(lambda: state("a2") == "RUNNING", "a2 running")  # then alice's, bob's still not fitting
             submit(store, "a3", "alice")
             quota = "waiting: owner alice at quota 2/2 workers (this job needs 1)"
-            _wait(lambda: store.get_job("a3")["message"] == quota, "a3 at its owner's quota")
+            _wait(lambda: store.get_job("a3").message == quota, "a3 at its owner's quota")
             store.request_cancel("a1")  # one of alice's ends: a3 may start (b1 still does not fit)
             _wait(lambda: state("a3") == "SUCCEEDED", "a3 done", timeout=240)
             store.request_cancel("a2")
@@ -461,13 +461,13 @@ def test_the_queue_with_real_jobs_fair_share_backfill_and_quota(head, tmp_path, 
         finally:
             supervisor.stop()
         jobs = {name: store.get_job(name) for name in ("a1", "z1", "a2", "b1", "y1", "a3")}
-    assert {n: j["state"] for n, j in jobs.items()} == {
+    assert {n: j.state for n, j in jobs.items()} == {
         "a1": "CANCELLED", "z1": "CANCELLED", "a2": "CANCELLED", "b1": "SUCCEEDED", "y1": "SUCCEEDED", "a3": "SUCCEEDED",
     }  # fmt: skip
     assert started_at("y1") < started_at("a2") < started_at("b1")  # fair share, then backfill ahead of b1
     assert started_at("a3") < started_at("b1")  # backfilled too
-    cancelled_a1 = next(h["time"] for h in jobs["a1"]["history"] if h["state"] == "CANCELLED")
+    cancelled_a1 = next(h["time"] for h in jobs["a1"].history if h["state"] == "CANCELLED")
     assert started_at("a3") > cancelled_a1  # held at the quota until one of alice's ended
-    b1_reasons = [h["message"] for h in jobs["b1"]["history"] if h["message"].startswith("waiting")]
+    b1_reasons = [h["message"] for h in jobs["b1"].history if h["message"].startswith("waiting")]
     assert b1_reasons[0].startswith("waiting for resources: needs 2 x 1 CPU"), b1_reasons
-    assert quota in [h["message"] for h in jobs["a3"]["history"]]
+    assert quota in [h["message"] for h in jobs["a3"].history]

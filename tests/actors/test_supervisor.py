@@ -96,21 +96,21 @@ def test_a_frozen_coordinator_never_stalls_another_job(cluster, tmp_path):
     healthy = _started_job(store, "healthy-1", frozen=False, answer_s=0.3)
     sup = Supervisor(store, poll_interval_s=0.05, poll_timeout_s=1.0)
     deadline = time.monotonic() + 60
-    while store.get_job("healthy-1")["step"] < 5 and time.monotonic() < deadline:
+    while store.get_job("healthy-1").step < 5 and time.monotonic() < deadline:
         _in_thread(sup.tick)
         time.sleep(0.4)  # the poll interval: the answers in flight arrive meanwhile
-    assert store.get_job("healthy-1")["step"] >= 5  # followed tick after tick
+    assert store.get_job("healthy-1").step >= 5  # followed tick after tick
     steps = [r["step"] for r in store.metrics("healthy-1", 0)]
     assert steps == list(range(1, len(steps) + 1))
     lines, cursor = store.logs("healthy-1", None, None)
     assert cursor == lines[-1]["seq"] and store.logs("healthy-1", None, None, since=cursor) == ([], cursor)
     assert [line["line"] for line in lines] == [f"line {i}" for i in range(1, len(lines) + 1)]  # each line once
-    while "unhealthy" not in store.get_job("frozen-1")["message"] and time.monotonic() < deadline:
+    while "unhealthy" not in store.get_job("frozen-1").message and time.monotonic() < deadline:
         _in_thread(sup.tick)
         time.sleep(0.05)
     frozen = store.get_job("frozen-1")
-    assert frozen["state"] == "QUEUED", frozen  # nothing decided about it: it may wake up
-    assert "unhealthy: its coordinator has not answered for 1 s" in frozen["message"]
+    assert frozen.state == "QUEUED", frozen  # nothing decided about it: it may wake up
+    assert "unhealthy: its coordinator has not answered for 1 s" in frozen.message
     _in_thread(lambda: sup.cancel(store.get_job("frozen-1")))  # the route returns at once
     _in_thread(lambda: sup.cancel(store.get_job("healthy-1")))
     _in_thread(sup.tick)  # the stored cancels: each coordinator is asked to stop, frozen or not
@@ -175,12 +175,12 @@ def test_a_cancel_on_another_replica_during_the_launch_is_one_transition(cluster
     for _ in range(3):
         _in_thread(leader.tick)
     assert ray.get(handle.coordinator.stop_requests.remote(), timeout=30) == 1  # asked once
-    assert store.get_job(f"race-{tag}")["state"] != "CANCELLED"  # the coordinator reports the cancel itself
+    assert store.get_job(f"race-{tag}").state != "CANCELLED"  # the coordinator reports the cancel itself
 
     store.create_job(f"first-{tag}", "s", "alice", SPEC, 100, None)
     other.cancel(store.get_job(f"first-{tag}"))  # the cancel first: never launched
     _in_thread(leader.tick)
-    assert store.get_job(f"first-{tag}")["state"] == "CANCELLED" and not store.is_started(f"first-{tag}")
+    assert store.get_job(f"first-{tag}").state == "CANCELLED" and not store.is_started(f"first-{tag}")
     assert [job_id for job_id, _ in launches] == [f"race-{tag}"]
     ray.kill(handle.coordinator)
 
@@ -195,7 +195,7 @@ def test_a_cancel_while_a_preempted_job_stops_ends_it_cancelled(store_url):
     assert store.request_cancel("p-1") == "requested"
     store.mark_not_started("p-1")
     job = store.get_job("p-1")
-    assert job["state"] == "CANCELLED" and not store.claim_launch("p-1")
+    assert job.state == "CANCELLED" and not store.claim_launch("p-1")
 
 
 def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_path, monkeypatch):
@@ -213,8 +213,8 @@ def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_pa
     sup = Supervisor(store)
     _in_thread(sup.tick)
     kept, lost = store.get_job("kept-1"), store.get_job("lost-1")
-    assert lost["state"] == "FAILED" and "coordinator lost" in lost["message"]
-    assert kept["state"] == "QUEUED" and "resumes from its checkpoint of step 40" in kept["message"]
+    assert lost.state == "FAILED" and "coordinator lost" in lost.message
+    assert kept.state == "QUEUED" and "resumes from its checkpoint of step 40" in kept.message
     assert not store.is_started("kept-1")
     # launched once the cluster has room: an earlier test's actors may still be releasing theirs
     deadline = time.monotonic() + 120
@@ -223,7 +223,7 @@ def test_a_job_whose_cluster_is_gone_resumes_from_its_checkpoint(cluster, tmp_pa
         _in_thread(sup.tick)
         if not launched:
             time.sleep(0.5)
-    assert [job_id for job_id, _ in launched] == ["kept-1"], store.get_job("kept-1")["message"]
+    assert [job_id for job_id, _ in launched] == ["kept-1"], store.get_job("kept-1").message
     assert launched[0][1].checkpoint.resume_from == "latest" and store.is_started("kept-1")
 
 
@@ -252,15 +252,15 @@ def test_the_queue_starts_by_priority_and_fair_share_within_quotas_and_says_why_
         time.sleep(0.01)  # distinct submission times
     sup._schedule(store.jobs_in(("QUEUED",)))
     assert launched == ["u", "a1"]
-    assert store.get_job("a2")["message"] == "waiting: owner alice at quota 1/1 workers (this job needs 1)"
-    assert store.get_job("b1")["message"].startswith("waiting for resources: needs 1 x 1 CPU")
-    assert store.get_job("d1")["message"] == (
+    assert store.get_job("a2").message == "waiting: owner alice at quota 1/1 workers (this job needs 1)"
+    assert store.get_job("b1").message.startswith("waiting for resources: needs 1 x 1 CPU")
+    assert store.get_job("d1").message == (
         "waiting for resources: needs 2 x 1 CPU (smaller jobs may start ahead of it until it has waited 600 s)"
     )
-    history = len(store.get_job("b1")["history"])
+    history = len(store.get_job("b1").history)
     for _ in range(3):
         sup._schedule(store.jobs_in(("QUEUED",)))
-    assert launched == ["u", "a1"] and len(store.get_job("b1")["history"]) == history
+    assert launched == ["u", "a1"] and len(store.get_job("b1").history) == history
 
 
 def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_metric_gap(
@@ -281,17 +281,17 @@ def test_two_replicas_launch_a_job_once_and_the_survivor_takes_over_without_a_me
     try:
         deadline = time.monotonic() + 60
         while (
-            store.get_job("two-1")["step"] < 5 or not any(r.is_leader for r in replicas)
+            store.get_job("two-1").step < 5 or not any(r.is_leader for r in replicas)
         ) and time.monotonic() < deadline:
             time.sleep(0.1)
         leader, other = sorted(replicas, key=lambda r: not r.is_leader)
         assert leader.is_leader and not other.is_leader and [j for j, _ in launches] == ["two-1"]
         monkeypatch.setattr(leader.store, "release_lease", lambda *a: None)  # killed: it hands nothing over
         leader.stop()
-        step = store.get_job("two-1")["step"]
-        while (not other.is_leader or store.get_job("two-1")["step"] < step + 5) and time.monotonic() < deadline + 60:
+        step = store.get_job("two-1").step
+        while (not other.is_leader or store.get_job("two-1").step < step + 5) and time.monotonic() < deadline + 60:
             time.sleep(0.1)
-        assert other.is_leader and store.get_job("two-1")["step"] >= step + 5
+        assert other.is_leader and store.get_job("two-1").step >= step + 5
     finally:
         for r in replicas:
             r.stop()
@@ -317,10 +317,10 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_c
     sup.start()
     try:
         deadline = time.monotonic() + 120
-        while store.get_job(low)["step"] < 3 and time.monotonic() < deadline:
+        while store.get_job(low).step < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         store.create_job(high, "s", "bob", {**two, "training": {"steps": 5}, "scheduling": {"priority": 10}}, 5, None)
-        while store.get_job(high)["state"] != "SUCCEEDED" and time.monotonic() < deadline:
+        while store.get_job(high).state != "SUCCEEDED" and time.monotonic() < deadline:
             time.sleep(0.1)
         while not (len(launches) == 3 and store.is_started(low)) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -328,11 +328,11 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_c
         sup.stop()
     assert [job_id for job_id, _ in launches] == [low, high, low], launches
     assert launches[0][1].checkpoint.resume_from is None and launches[2][1].checkpoint.resume_from == "latest"
-    history = [(h["state"], h["message"]) for h in store.get_job(low)["history"]]
+    history = [(h["state"], h["message"]) for h in store.get_job(low).history]
     preempted = [m for state, m in history if state == "PREEMPTED"]
     assert preempted and preempted[0].startswith(f"preempted by job {high} (priority 10 > 0); stopped gracefully at step")
-    waits = [h["message"] for h in store.get_job(high)["history"]]
+    waits = [h["message"] for h in store.get_job(high).history]
     assert f"waiting for {low} to checkpoint and stop (preempted for it)" in waits
-    assert store.is_started(low) and store.get_job(low)["state"] in ("PREEMPTED", "RUNNING")
+    assert store.is_started(low) and store.get_job(low).state in ("PREEMPTED", "RUNNING")
     with contextlib.suppress(ValueError):
         ray.kill(ray.get_actor(coordinator_name(low), namespace="hpservice"))

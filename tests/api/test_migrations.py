@@ -47,21 +47,21 @@ def test_a_store_from_before_migrations_keeps_every_job_metric_and_event(store_u
     store = Store(store_url)
     assert _revision(store_url) == migrations.head()
     old = store.get_job("old-0001")
-    assert old["state"] == "SUCCEEDED" and old["owner"] == "alice" and old["step"] == 5
-    assert [h["state"] for h in old["history"]] == ["QUEUED", "STARTING", "RUNNING", "SUCCEEDED"]
-    assert old["checkpoints"] == [{"step": 5, "path": "/data/old-0001/ckpt/step-5", "time": 1999.0}]
-    assert old["placement"] == [{"rank": 0, "node": "abc", "ip": "127.0.0.1"}]
+    assert old.state == "SUCCEEDED" and old.owner == "alice" and old.step == 5
+    assert [h["state"] for h in old.history] == ["QUEUED", "STARTING", "RUNNING", "SUCCEEDED"]
+    assert old.checkpoints == [{"step": 5, "path": "/data/old-0001/ckpt/step-5", "time": 1999.0}]
+    assert old.placement == [{"rank": 0, "node": "abc", "ip": "127.0.0.1"}]
     assert [r["loss"] for r in store.metrics("old-0001", 0)] == [9.0, 8.0, 7.0, 6.0, 5.0]
     lines, _ = store.logs("old-0001", None, None)
     assert [line["line"] for line in lines] == ["step 1", "step 2", "step 3"]
     events = store.events("old-0001", 0)
     assert [seq for seq, _, _ in events] == list(range(1, len(events) + 1)) and len(events) == 13
     assert store.submitted_spec("old-0001")["name"] == "old"
-    assert store.create_job("x", "old", "alice", {}, 5, "key-1")[0]["id"] == "old-0001"  # its idempotency key holds
+    assert store.create_job("x", "old", "alice", {}, 5, "key-1")[0].id == "old-0001"  # its idempotency key holds
     # What the new revision added works on the old rows.
-    assert store.jobs_in(("QUEUED",))[0]["cancel_requested"] is False
+    assert store.jobs_in(("QUEUED",))[0].cancel_requested is False
     assert store.request_cancel("old-0002") == "cancelled"
-    assert store.get_job("old-0002")["state"] == "CANCELLED"
+    assert store.get_job("old-0002").state == "CANCELLED"
     assert store.events("old-0001", 13) == [] and store.events("old-0002", 1)[0][2]["state"] == "CANCELLED"
 
 
@@ -81,10 +81,10 @@ def test_a_store_at_the_previous_revision_upgrades_keeping_its_rows(store_url):
     store = Store(store_url)
     assert _revision(store_url) == migrations.head() != "0001"
     job = store.get_job("j")
-    assert job["state"] == "RUNNING" and job["step"] == 3 and store.metrics("j", 0) == [{"step": 3}]
-    assert store.jobs_in(("RUNNING",))[0]["cancel_requested"] is False  # the new column's default
+    assert job.state == "RUNNING" and job.step == 3 and store.metrics("j", 0) == [{"step": 3}]
+    assert store.jobs_in(("RUNNING",))[0].cancel_requested is False  # the new column's default
     assert store.request_cancel("j") == "requested"  # launched: the request is stored
-    assert store.jobs_in(("RUNNING",))[0]["cancel_requested"] is True
+    assert store.jobs_in(("RUNNING",))[0].cancel_requested is True
 
 
 def test_a_downgrade_to_the_baseline_keeps_the_rows_and_refuses_values_it_cannot_hold(store_url):
@@ -96,13 +96,13 @@ def test_a_downgrade_to_the_baseline_keeps_the_rows_and_refuses_values_it_cannot
     migrations.downgrade(engine, "0001")
     assert _revision(store_url) == "0001"
     store = Store(store_url)  # and up again
-    assert store.get_job("j")["total_steps"] == 100 and store.metrics("j", 0) == [{"step": 7, "loss": 1.0}]
+    assert store.get_job("j").total_steps == 100 and store.metrics("j", 0) == [{"step": 7, "loss": 1.0}]
     assert _revision(store_url) == migrations.head()
     if store_url.startswith("postgresql"):  # 32-bit integers there before 0003: refused, nothing lost
         store.create_job("big", "n", "alice", {"name": "n"}, 2**40, None)
         with pytest.raises(DataError):
             migrations.downgrade(engine, "0001")
-        assert _revision(store_url) == migrations.head() and store.get_job("big")["total_steps"] == 2**40
+        assert _revision(store_url) == migrations.head() and store.get_job("big").total_steps == 2**40
     engine.dispose()
 
 
@@ -136,7 +136,7 @@ def test_replicas_starting_together_upgrade_once(store_url):
     assert errors == [] and len(stores) == 4
     assert _revision(store_url) == migrations.head()
     stores[0].create_job("a", "n", "alice", {}, 1, None)
-    assert stores[3].get_job("a")["state"] == "QUEUED"
+    assert stores[3].get_job("a").state == "QUEUED"
 
 
 def test_a_database_that_is_not_a_store_is_refused_not_altered(store_url):

@@ -15,7 +15,7 @@ SPEC = {"name": "s", "model": {"name": "llama", "flavor": "tiny"}, "training": {
 def test_a_jobs_life_in_the_store(store_url):
     store = Store(store_url)
     store.create_job("j1", "s", "alice", SPEC, 10, None)
-    assert store.get_job("j1")["state"] == "QUEUED" and [j["id"] for j in store.jobs_in(("QUEUED",))] == ["j1"]
+    assert store.get_job("j1").state == "QUEUED" and [j.id for j in store.jobs_in(("QUEUED",))] == ["j1"]
     store.update_status("j1", {"state": "RUNNING", "message": "go", "step": 2, "history": [{"state": "RUNNING", "time": 1.0, "message": "go"}]})
     store.add_metrics("j1", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}])
     store.add_metrics("j1", [{"step": 2, "loss": 1.4}])  # a restart's replay replaces the step
@@ -24,7 +24,7 @@ def test_a_jobs_life_in_the_store(store_url):
     store.set_state("j1", "SUCCEEDED", "done")
     store.update_status("j1", {"state": "RUNNING", "message": "late"})  # an ended job never moves again
     job = store.get_job("j1")
-    assert job["state"] == "SUCCEEDED" and job["message"] == "done"
+    assert job.state == "SUCCEEDED" and job.message == "done"
     kinds = [kind for _, kind, _ in store.events("j1", 0)]
     assert kinds[0] == "state" and kinds.count("metrics") == 3 and kinds[-1] == "state"
     seqs = [seq for seq, _, _ in store.events("j1", 0)]
@@ -114,7 +114,7 @@ def test_concurrent_writers_to_one_job_take_turns_and_lose_nothing(store_url):
     kinds = [kind for _, kind, _ in events]
     assert kinds.count("metrics") == rounds and kinds.count("log") == rounds
     assert [r["step"] for r in leader.metrics("j1", 0)] == list(range(1, rounds + 1))
-    messages = [h["message"] for h in leader.get_job("j1")["history"]]
+    messages = [h["message"] for h in leader.get_job("j1").history]
     assert [m for m in messages if m.startswith("waiting: reason")] == [f"waiting: reason {i}" for i in range(rounds)]
     assert [m for m in messages if m.startswith("waiting: other")] == [f"waiting: other reason {i}" for i in range(rounds)]
 
@@ -140,6 +140,6 @@ def test_one_idempotency_key_sent_to_several_replicas_at_once_makes_one_job(stor
         t.join(60)
     assert errors == [] and len(answers) == 4
     assert sorted(created for _, created in answers) == [False, False, False, True]
-    assert len({row["id"] for row, _ in answers}) == 1
+    assert len({row.id for row, _ in answers}) == 1
     assert stores[0].count_by_state() == {"QUEUED": 1}
     assert stores[1].create_job("job-x", "s", "alice", SPEC, 10, "key-1", "other-hash") == (None, False)

@@ -46,7 +46,7 @@ def _spec(**sections):
 
 
 def _jobs(c) -> list[str]:
-    return [j["id"] for j in c.app.state.store.list_jobs(owner=None, state=None, name=None, limit=1000, cursor=None)]
+    return [j.id for j in c.app.state.store.list_jobs(owner=None, state=None, name=None, limit=1000, cursor=None)]
 
 
 def _refused(c, spec, field, *fragments, token=ALICE):
@@ -388,7 +388,7 @@ def test_a_job_past_its_log_lines_is_stopped_failed_and_its_extra_lines_dropped(
     from hpservice.api.supervisor import Supervisor
 
     store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    job_id = store.create_job("j1", "tiny", "alice", _spec(), 3, None)[0]["id"]
+    job_id = store.create_job("j1", "tiny", "alice", _spec(), 3, None)[0].id
     supervisor = Supervisor(store, max_log_lines_per_job=5)
     handle = _Handle()
     lines = [{"rank": 0, "step": 1, "time": float(i + 1), "line": f"line {i}", "seq": i + 1} for i in range(8)]
@@ -398,7 +398,7 @@ def test_a_job_past_its_log_lines_is_stopped_failed_and_its_extra_lines_dropped(
     supervisor.store.add_logs(job_id, supervisor._within_log_bound(job_id, handle, lines[3:]))
     assert [line["line"] for line in store.logs(job_id, None, None)[0]] == [f"line {i}" for i in range(5)]
     assert len(handle.stops) == 1 and "--max-log-lines-per-job" in handle.stops[0]["failed_by"]
-    assert "--max-log-lines-per-job" in store.get_job(job_id)["message"]
+    assert "--max-log-lines-per-job" in store.get_job(job_id).message
     store.close()
 
 

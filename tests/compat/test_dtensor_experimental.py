@@ -174,8 +174,13 @@ def _check_register_sharding():
     return True
 
 
-def test_register_sharding_follows_torchs_recipe_on_1d_and_2d_meshes(ranks):
-    ranks(4).run(_check_register_sharding)
+def test_register_sharding_follows_torchs_recipe_on_1d_and_2d_meshes():
+    # Its own ranks, not the session's pools: a registration replaces aten._softmax's rule, in
+    # torch's DTensor and ours, for the rest of the process (as torch's API does).
+    from hpservice.launch import RankPool
+
+    with RankPool(4) as pool:
+        pool.run(_check_register_sharding)
 
 
 def _check_implicit_replication():
