@@ -262,7 +262,7 @@ def test_a_job_whose_coordinators_node_is_lost_twice_is_relaunched_and_loses_not
                 _wait(
                     lambda a=at: (j := store.get_job(job_id)).state == "RUNNING"
                     and j.step >= a
-                    and any(c["step"] == a - 2 for c in j["checkpoints"]),
+                    and any(c["step"] == a - 2 for c in j.checkpoints),
                     f"held at step {at} in attempt {kill + 1}",
                 )
                 status = JobHandle.attach(job_id).status()
