@@ -33,6 +33,16 @@ def _same(a, b, key) -> None:
         assert a == b, (key, a, b)
 
 
+def _same_in_both(one) -> dict:
+    """``one(api, experimental, init_mesh)`` run with ours and with torch's: the same keys and
+    values; ours returned."""
+    mine, theirs = (one(*apis) for apis in _apis())
+    assert mine.keys() == theirs.keys()
+    for key in theirs:
+        _same(mine[key], theirs[key], key)
+    return mine
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -90,11 +100,7 @@ def _check_local_map():
         out["plain"] = (type(plain) is torch.Tensor, plain)
         return out
 
-    results = [one(*apis) for apis in _apis()]
-    mine, theirs = results
-    assert mine.keys() == theirs.keys()
-    for key in theirs:
-        _same(mine[key], theirs[key], key)
+    mine = _same_in_both(one)
     torch.testing.assert_close(mine["mm"][1], w @ x)
     return True
 
@@ -205,11 +211,7 @@ def _check_implicit_replication():
             out[("after", _names(placements))] = _error(lambda d=d: d * other)
         return out
 
-    results = [one(*apis) for apis in _apis()]
-    mine, theirs = results
-    assert mine.keys() == theirs.keys()
-    for key in theirs:
-        _same(mine[key], theirs[key], key)
+    _same_in_both(one)
     return True
 
 

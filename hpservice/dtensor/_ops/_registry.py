@@ -164,9 +164,9 @@ def _replicated_fallback(func, specs: list[DTensorSpec], mesh) -> Decision:
     return Decision(tuple(_replicated(s) for s in specs), LocalShaped(mesh))
 
 
-def _with_view_strides(func, args: tuple, kwargs: tuple, decision: Decision) -> Decision:
-    """A view's global strides are torch's for the same view of the global tensor (``x.t()`` has
-    stride (1, n), so ``x.t().reshape(-1)`` copies as in torch): run the op on meta tensors."""
+def run_on_meta(func, args: tuple, kwargs: dict):
+    """``func`` on meta tensors of the frozen arguments' global shapes and strides (a spec's
+    tensor; a tuple of them, a list): what the op's output looks like globally, allocating nothing."""
 
     def meta(a):
         if isinstance(a, DTensorSpec):
@@ -175,8 +175,15 @@ def _with_view_strides(func, args: tuple, kwargs: tuple, decision: Decision) -> 
             return [meta(x) for x in a]
         return a
 
+    return func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+
+
+def _with_view_strides(func, args: tuple, kwargs: tuple, decision: Decision) -> Decision:
+    """A view's global strides are torch's for the same view of the global tensor (``x.t()`` has
+    stride (1, n), so ``x.t().reshape(-1)`` copies as in torch): run the op on meta tensors."""
+
     try:
-        out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs})
+        out = run_on_meta(func, args, dict(kwargs))
     except Exception:  # meta cannot run it: keep the rule's contiguous strides
         return decision
 

@@ -30,7 +30,7 @@ import torch
 from .. import _dispatch
 from .._layout import DTensorSpec, _from_torch_placement
 from .._ops import _registry
-from .._ops._registry import Decision, RuleError, flat_specs
+from .._ops._registry import Decision, RuleError, flat_specs, run_on_meta
 from ..placement_types import Placement
 
 __all__ = ["register_sharding"]
@@ -158,15 +158,8 @@ def _choose(specs: Sequence[DTensorSpec], candidates: list[tuple[DTensorSpec, ..
 def _outputs(func, args: tuple, kwargs: dict, mesh, out_placements: list) -> DTensorSpec | tuple:
     """The output specs: global shapes and strides from the op run on meta tensors."""
 
-    def meta(a):
-        if isinstance(a, DTensorSpec):
-            return torch.empty_strided(a.shape, a.stride, device="meta")
-        if isinstance(a, tuple):
-            return [meta(x) for x in a]
-        return a
-
     try:
-        out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+        out = run_on_meta(func, args, kwargs)
     except Exception as e:
         raise RuleError(f"cannot infer the output shape of {func} on meta tensors ({e})") from None
     outs = out if isinstance(out, tuple | list) else (out,)
