@@ -23,6 +23,7 @@ Run on its own: ``python -m tests.compat.op_sweep [--ranks 2] [--ops name,...]``
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -403,12 +404,24 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=SAMPLES_PER_OP)
     parser.add_argument("--show", default="silent,crash", help="outcomes to list per op")
     parser.add_argument("--write", type=Path, default=None, help="write the document (docs/dtensor-ops.md)")
+    parser.add_argument("--ours-only", action="store_true", help="hpservice's engine only (half the time)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole sweep")
     a = parser.parse_args()
     names = set(a.ops.split(",")) if a.ops else None
-    ours, theirs = run_ranks(_both, a.ranks, names, a.samples, timeout=3600)[0]
-    print(table(ours, theirs))
+    if a.ours_only:
+        if a.write:
+            parser.error("--write needs both engines")
+        ours = run_ranks(functools.partial(sweep, "hpservice"), a.ranks, names, a.samples, timeout=a.timeout)[0]
+        engines = (("hpservice", ours),)
+        for placement in PLACEMENTS:
+            counts = Counter(per[placement][0] for per in ours.values() if placement in per)
+            print(f"hpservice {placement:9s} " + " ".join(f"{o} {counts.get(o, 0)}" for o in OUTCOMES))
+    else:
+        ours, theirs = run_ranks(_both, a.ranks, names, a.samples, timeout=a.timeout)[0]
+        engines = (("hpservice", ours), ("torch", theirs))
+        print(table(ours, theirs))
     show = set(a.show.split(","))
-    for name, results in (("hpservice", ours), ("torch", theirs)):
+    for name, results in engines:
         for key, per in sorted(results.items()):
             for placement, (outcome, detail) in per.items():
                 if outcome in show:
