@@ -276,13 +276,24 @@ def sweep(engine_name: str, names: set[str] | None = None, samples_per_op: int =
     return results
 
 
+def _agreed(wants: list) -> list:
+    """``wants`` with a sample skipped on every rank where any rank skips it. Each rank judges its
+    plain results on its own (an op whose result depends on memory it did not write differs from
+    rank to rank); a sample run by one rank and skipped by another would pair one rank's
+    collectives with the next sample's of the other."""
+    skipped = torch.tensor([isinstance(w, str) for w in wants], dtype=torch.uint8)
+    if dist.is_initialized() and len(wants):
+        dist.all_reduce(skipped, op=dist.ReduceOp.MAX)
+    return [w if isinstance(w, str) or not s else "skipped on another rank" for w, s in zip(wants, skipped.tolist(), strict=True)]
+
+
 def _sweep_op(op, engine: Engine, samples_per_op: int, results: dict) -> None:
     backward = op.supports_autograd
     try:  # the first samples only: op_db reseeds before each, so they do not depend on how many follow
         samples = list(itertools.islice(op.sample_inputs("cpu", torch.float32, requires_grad=False), samples_per_op))
     except Exception:
         return
-    wants = [plain_result(op, sample, backward) for sample in samples]  # once for both placements
+    wants = _agreed([plain_result(op, sample, backward) for sample in samples])  # once for both placements
     per_placement = {}
     for placement in PLACEMENTS:
         worst = ("agree", "")
