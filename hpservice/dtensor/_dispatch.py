@@ -212,8 +212,6 @@ def _wrap(out, spec):
         if isinstance(spec, LocalShaped):  # fully replicated: the local result is the global one
             placements = (Replicate(),) * spec.mesh.ndim
             return DTensor(out, DTensorSpec(spec.mesh, placements, tuple(out.shape), tuple(out.stride())))
-        if not spec.contiguous and out.is_contiguous():  # clone/contiguous() of a transposed view
-            spec = DTensorSpec(spec.mesh, spec.placements, spec.shape)
         return DTensor(out, spec, requires_grad=False)
     if isinstance(out, tuple | list):
         # LocalShaped is a NamedTuple, yet one spec for every output (a replicated fallback)

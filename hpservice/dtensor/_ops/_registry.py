@@ -145,7 +145,11 @@ def decide(func, args: tuple, kwargs: tuple, mesh_ids: tuple = ()) -> Decision:
         if all(s.is_replicated() for s in specs):
             return Decision(tuple(specs), LocalShaped(mesh))
         raise RuleError("a plain torch.Tensor operand where this rule needs DTensors; distribute it first") from None
-    if func.is_view:
+    if func.is_view or _any_strided(decision.out):
+        # a view's strides, and a non-contiguous output's (clone of a transposed view keeps its
+        # layout, contiguous() does not): torch's, from the op on meta tensors. Decided here, from
+        # global specs, so every rank agrees (a rank's local result cannot say: an empty shard
+        # counts as contiguous whatever its strides)
         decision = _with_view_strides(func, args, kwargs, decision)
     return decision
 
@@ -162,6 +166,12 @@ def _replicated_fallback(func, specs: list[DTensorSpec], mesh) -> Decision:
     if torch.Tag.nondeterministic_seeded in func.tags:
         raise RuleError("this operator has no sharding rule yet (a random op)")
     return Decision(tuple(_replicated(s) for s in specs), LocalShaped(mesh))
+
+
+def _any_strided(out) -> bool:
+    """Whether an output spec of a decision is not contiguous."""
+    outs = out if isinstance(out, tuple) and not isinstance(out, LocalShaped) else (out,)
+    return any(isinstance(o, DTensorSpec) and not o.contiguous for o in outs)
 
 
 def run_on_meta(func, args: tuple, kwargs: dict):
