@@ -42,14 +42,6 @@ def tracing(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or is_fake(x)
 
 
-def all_reduce_(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
-    """``dist.all_reduce(x, op)`` in place, synchronously; traceable."""
-    if tracing(x):
-        return x.copy_(funcol.all_reduce(x, _FUNCOL_OPS[op], group))
-    dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 class Pending:
     """An issued collective plus the local work to finish its result."""
 
@@ -71,6 +63,38 @@ def done(tensor: torch.Tensor) -> Pending:
     p = Pending(None, None)
     p._result = tensor
     return p
+
+
+def _then(p: Pending, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+    return Pending(None, lambda: fn(p.wait()))
+
+
+# Dtypes a backend does not carry (gloo: 16-bit integers, unsigned 32/64-bit, float8; NCCL: the
+# 16-bit integers; "Invalid scalar type"). Moving data needs only the bytes: a same-size dtype the
+# backends carry is viewed in and out. Reducing needs the values: a wider integer, exact (a sum
+# wraps as the narrow type's own sum does once cast back), or the same-size signed view for uint64's
+# sum (two's complement adds alike); what has neither (uint64 max / min, float8) is refused.
+_MOVE_AS = {
+    torch.int16: torch.float16, torch.uint16: torch.float16, torch.uint32: torch.int32, torch.uint64: torch.int64,
+    **{dt: torch.uint8 for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)},
+}  # fmt: skip
+_REDUCE_AS = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _reduce_as(dtype: torch.dtype, reduce_op: str) -> torch.dtype | None:
+    """The dtype a reduction of ``dtype`` travels in (None: ``dtype`` itself)."""
+    if dtype in _REDUCE_AS:
+        return _REDUCE_AS[dtype]
+    if dtype == torch.uint64 and reduce_op == "sum":
+        return torch.int64  # a bit view: the sum wraps identically
+    if dtype in _MOVE_AS:
+        raise TypeError(f"hpservice.dtensor: a {reduce_op} reduction of {dtype} is not supported by the collectives")
+    return None
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: a bit view between same-size dtypes, else a (widening or narrowing) cast."""
+    return x.view(dtype) if dtype.itemsize == x.dtype.itemsize else x.to(dtype)
 
 
 def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -106,17 +130,68 @@ def _prepare_reduction(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup
     return (x if owned else x.clone()), op, lambda b: b
 
 
+class _Works:
+    """Several issued collectives waited on as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, *works):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _nan_aware(buf: torch.Tensor, op: dist.ReduceOp) -> bool:
+    """Whether a max/min reduction of ``buf`` needs its NaNs carried apart: ``torch.amax`` and
+    ``amin`` propagate NaN, but the backends compare (gloo's max and NCCL's ``fmaxf`` return the
+    other operand), so a NaN on one rank would silently vanish from the reduced result."""
+    return op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN) and buf.is_floating_point()
+
+
+def all_reduce_(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
+    """``dist.all_reduce(x, op)`` in place, synchronously; traceable. Max and min keep NaNs
+    (``_nan_aware``)."""
+    wire = _reduce_as(x.dtype, _FUNCOL_OPS[op])
+    if wire is not None:
+        return x.copy_(_as(all_reduce_(_as(x, wire), op, group), x.dtype))
+    nan = x.isnan().to(x.dtype) if _nan_aware(x, op) else None
+    if tracing(x):
+        x.copy_(funcol.all_reduce(x, _FUNCOL_OPS[op], group))
+        return x if nan is None else x.masked_fill_(funcol.all_reduce(nan, "max", group).bool(), float("nan"))
+    dist.all_reduce(x, op=op, group=group)
+    if nan is not None:
+        dist.all_reduce(nan, op=dist.ReduceOp.MAX, group=group)
+        x.masked_fill_(nan.bool(), float("nan"))
+    return x
+
+
 def all_reduce(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup, *, owned: bool = False) -> Pending:
     """Partial -> Replicate on one mesh dim."""
+    wire = _reduce_as(x.dtype, reduce_op)
+    if wire is not None:
+        dtype = x.dtype
+        return _then(all_reduce(_as(x, wire), reduce_op, group, owned=owned), lambda y: _as(y, dtype))
     buf, op, finish = _prepare_reduction(x.contiguous(), reduce_op, group, owned)
+    nan = buf.isnan().to(buf.dtype) if _nan_aware(buf, op) else None
     if tracing(buf):
-        return done(finish(funcol.all_reduce(buf, _FUNCOL_OPS[op], group)))
+        out = funcol.all_reduce(buf, _FUNCOL_OPS[op], group)
+        if nan is not None:
+            out = out.masked_fill(funcol.all_reduce(nan, "max", group).bool(), float("nan"))
+        return done(finish(out))
     work = dist.all_reduce(buf, op=op, group=group, async_op=True)
-    return Pending(work, lambda: finish(buf))
+    if nan is None:
+        return Pending(work, lambda: finish(buf))
+    nan_work = dist.all_reduce(nan, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    return Pending(_Works(work, nan_work), lambda: finish(buf.masked_fill_(nan.bool(), float("nan"))))
 
 
 def all_gather(x: torch.Tensor, dim: int, full_size: int, group: dist.ProcessGroup) -> Pending:
     """Shard(dim) -> Replicate on one mesh dim: the result has ``full_size`` along ``dim``."""
+    if x.dtype in _MOVE_AS:
+        dtype = x.dtype
+        return _then(all_gather(_as(x, _MOVE_AS[dtype]), dim, full_size, group), lambda y: _as(y, dtype))
     k = dist.get_world_size(group)
     chunk = -(-full_size // k)
     src = _pad_dim(x, dim, chunk).contiguous()
@@ -137,6 +212,10 @@ def all_gather(x: torch.Tensor, dim: int, full_size: int, group: dist.ProcessGro
 
 def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.ProcessGroup, index: int) -> Pending:
     """Partial -> Shard(dim) on one mesh dim: one reduce-scatter; ``index`` is this rank's chunk."""
+    wire = _reduce_as(x.dtype, reduce_op)
+    if wire is not None:
+        dtype = x.dtype
+        return _then(reduce_scatter(_as(x, wire), dim, reduce_op, group, index), lambda y: _as(y, dtype))
     k = dist.get_world_size(group)
     full_size = x.size(dim)
     chunk = -(-full_size // k)
@@ -153,11 +232,19 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: dist.Proces
         y = finish(out)
         return y if size == chunk else y.narrow(dim, 0, size).contiguous()
 
+    nan = buf.isnan().to(buf.dtype) if _nan_aware(buf, op) else None
     if tracing(buf):
-        return done(finish_rs(funcol.reduce_scatter_tensor(buf, _FUNCOL_OPS[op], 0, group)))
+        out = funcol.reduce_scatter_tensor(buf, _FUNCOL_OPS[op], 0, group)
+        if nan is not None:
+            out = out.masked_fill(funcol.reduce_scatter_tensor(nan, "max", 0, group).bool(), float("nan"))
+        return done(finish_rs(out))
     out = buf.new_empty((buf.size(0) // k,) + tuple(buf.shape[1:]))
     work = _reduce_scatter_single(out, buf, op=op, group=group, async_op=True)
-    return Pending(work, lambda: finish_rs(out))
+    if nan is None:
+        return Pending(work, lambda: finish_rs(out))
+    nan_out = torch.empty_like(out)
+    nan_work = _reduce_scatter_single(nan_out, nan, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    return Pending(_Works(work, nan_work), lambda: finish_rs(out.masked_fill_(nan_out.bool(), float("nan"))))
 
 
 def all_to_all(
@@ -168,6 +255,11 @@ def all_to_all(
     Before: ``src_dim`` holds this rank's chunk of ``src_full``, ``dst_dim`` is whole.
     After: ``src_dim`` is whole (``src_full``), ``dst_dim`` holds chunk ``index``.
     """
+    if x.dtype in _MOVE_AS:
+        dtype = x.dtype
+        return _then(
+            all_to_all(x.view(_MOVE_AS[dtype]), src_dim, dst_dim, src_full, group, index), lambda y: y.view(dtype)
+        )
     k = dist.get_world_size(group)
     dst_full = x.size(dst_dim)
     c_src, c_dst = -(-src_full // k), -(-dst_full // k)
@@ -193,6 +285,8 @@ def all_to_all(
 
 def broadcast(x: torch.Tensor, group: dist.ProcessGroup, group_src: int) -> torch.Tensor:
     """Return group rank ``group_src``'s ``x`` on every rank (``x`` itself is not written)."""
+    if x.dtype in _MOVE_AS:
+        return broadcast(x.view(_MOVE_AS[x.dtype]), group, group_src).view(x.dtype)
     buf = x.contiguous().clone()
     dist.broadcast(buf, group=group, group_src=group_src)
     return buf
@@ -200,6 +294,8 @@ def broadcast(x: torch.Tensor, group: dist.ProcessGroup, group_src: int) -> torc
 
 def scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, group_src: int, index: int) -> torch.Tensor:
     """Group rank ``group_src`` cuts ``x`` along ``dim`` (torch.chunk sizes) and sends chunk j to rank j."""
+    if x.dtype in _MOVE_AS:
+        return scatter(x.view(_MOVE_AS[x.dtype]), dim, group, group_src, index).view(x.dtype)
     k = dist.get_world_size(group)
     full_size = x.size(dim)
     chunk = -(-full_size // k)

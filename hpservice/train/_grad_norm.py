@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpservice.dtensor import DTensor
+from hpservice.dtensor._collectives import all_reduce_
 
 
 def clip_grad_norm_(
@@ -53,8 +54,8 @@ def clip_grad_norm_(
 def _across_stages(norm: torch.Tensor, norm_type: float, group, device: torch.device) -> torch.Tensor:
     """The norm over every pp rank's gradients, from each rank's own ``norm``."""
     t = norm.to(device=device, dtype=torch.float64).reshape(1)  # on the device (nccl needs cuda)
-    if math.isinf(norm_type):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if math.isinf(norm_type):  # max (min for -inf) keeping a stage's NaN, as one process would
+        all_reduce_(t, dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN, group)
         return t[0].float().cpu()
     t = t.pow(norm_type)
     dist.all_reduce(t, group=group)

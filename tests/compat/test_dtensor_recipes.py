@@ -888,6 +888,87 @@ def test_nan_reductions_on_sharded_dtensors_equal_the_plain_tensor(ranks):
             torch.testing.assert_close(value, theirs[(placement, name)], equal_nan=True, msg=f"{placement} {name}")
 
 
+def _check_nan_through_max_and_min():
+    """A NaN in one rank's piece of a max / min reduction is the result, as ``torch.amax`` keeps
+    it: the backends' max and min compare and drop it (gloo, and NCCL's ``fmaxf``), which made
+    ``masked.amax`` / ``masked.norm(inf)`` on Shard(0) silently finite in torch's sweep, torch's
+    DTensor included. Reductions of sharded dims, inf-norms, and a Partial(max) reduced to
+    Replicate (all-reduce) and to Shard(1) (reduce-scatter)."""
+    world = dist.get_world_size()
+    mesh = ours.init_device_mesh("cpu", (world,))
+    full = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    # a NaN on rank 0's rows in every other column and on the last rank's in the rest: which
+    # operand a backend's max keeps depends on the position and the values
+    full[0, ::2] = full[5, 1::2] = float("nan")
+    full[1, 1] = full[4, 6] = 1e3
+    ops = {
+        "amax(0)": lambda x: x.amax(0, keepdim=True), "amin(0)": lambda x: x.amin(0),
+        "amax(1)": lambda x: x.amax(1), "amax()": lambda x: x.amax(), "max(0)": lambda x: x.max(0).values,
+        "min()": lambda x: x.min(),
+        "norm(inf, 0)": lambda x: torch.linalg.vector_norm(x, float("inf"), 0),
+        "norm(-inf, 0)": lambda x: torch.linalg.vector_norm(x, float("-inf"), 0, keepdim=True),
+        "norm(inf)": lambda x: torch.linalg.vector_norm(x, float("inf")),
+        "masked.amax": lambda x: torch.masked.amax(x, 0, keepdim=True),
+    }  # fmt: skip
+    for name, op in ops.items():
+        want = op(full)
+        for placement in (ours.Shard(0), ours.Shard(1), ours.Replicate()):
+            got = op(ours.distribute_tensor(full, mesh, [placement])).full_tensor()
+            torch.testing.assert_close(got, want, equal_nan=True, msg=f"{name} {placement}")
+    rank = dist.get_rank()
+    piece = torch.arange(8.0).reshape(2, 4) + rank  # Partial(max) of each rank's piece, one NaN on the last
+    if rank == world - 1:
+        piece[1, 0] = float("nan")
+    want = torch.stack([torch.arange(8.0).reshape(2, 4) + r for r in range(world)]).amax(0)
+    want[1, 0] = float("nan")
+    partial = ours.DTensor.from_local(piece, mesh, [ours.Partial("max")])
+    for target in (ours.Replicate(), ours.Shard(1), ours.Shard(0)):
+        got = partial.redistribute(mesh, [target]).full_tensor()
+        torch.testing.assert_close(got, want, equal_nan=True, msg=str(target))
+    return True
+
+
+def test_a_nan_in_one_ranks_piece_survives_max_and_min_reductions(ranks):
+    ranks(2).run(_check_nan_through_max_and_min)
+
+
+def _check_dtypes_the_backends_do_not_carry():
+    """int16 / uint16 / uint32 / uint64 / float8 DTensors gather, scatter, all-to-all and reduce
+    like the others (gloo has no such types: ``x.short()`` of a Shard(0) DTensor crashed in
+    ``full_tensor``, torch's DTensor as well). Values: the plain tensor's, sums wrapping as the
+    narrow type's own sum does; a reduction no wire type can carry (uint64 max) is refused."""
+    world = dist.get_world_size()
+    mesh = ours.init_device_mesh("cpu", (world,))
+    full = torch.arange(-7, 8).reshape(5, 3) * 4000  # past int16's range once summed over ranks
+    for dtype in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn):
+        x = full.abs().to(dtype) if dtype in (torch.uint16, torch.uint32, torch.uint64) else full.to(dtype)
+        if dtype == torch.float8_e4m3fn:
+            x = (full / 4000).to(dtype)
+        as_int = x.view(torch.uint8) if dtype == torch.float8_e4m3fn else x
+        sharded = ours.distribute_tensor(x, mesh, [ours.Shard(0)])
+        assert torch.equal(sharded.full_tensor().view(as_int.dtype), as_int), dtype
+        moved = sharded.redistribute(mesh, [ours.Shard(1)])  # all-to-all
+        assert torch.equal(moved.full_tensor().view(as_int.dtype), as_int), dtype
+        assert torch.equal(sharded.to_local().view(as_int.dtype), as_int.tensor_split(world)[dist.get_rank()]), dtype
+        if dtype == torch.float8_e4m3fn:
+            continue
+        partial = ours.DTensor.from_local(x, mesh, [ours.Partial("sum")])
+        want = x.to(torch.int64).mul(world).to(dtype)  # the narrow type's wrap-around
+        assert torch.equal(partial.full_tensor(), want), dtype
+        assert torch.equal(partial.redistribute(mesh, [ours.Shard(0)]).full_tensor(), want), dtype
+        if dtype != torch.uint64:
+            shifted = lambda r: (x.to(torch.int64) + r).to(dtype)  # noqa: E731 (no add for uint16 / uint32)
+            top = ours.DTensor.from_local(shifted(dist.get_rank()), mesh, [ours.Partial("max")])
+            assert torch.equal(top.full_tensor(), shifted(world - 1)), dtype
+    with pytest.raises(TypeError, match="max reduction of torch.uint64"):
+        ours.DTensor.from_local(torch.ones(2, dtype=torch.uint64), mesh, [ours.Partial("max")]).full_tensor()
+    return True
+
+
+def test_dtypes_the_backends_do_not_carry_move_and_reduce_exactly(ranks):
+    ranks(2).run(_check_dtypes_the_backends_do_not_carry)
+
+
 # ---- what torch's full op sweep found: uneven shards of one row, keepdim norms, 0-d transposes -------
 
 
