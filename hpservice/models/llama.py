@@ -307,11 +307,12 @@ def _llama3_scaled(freqs: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive channel pairs (x0, x1) of ``x [B, S, H, head_dim]`` by the angles in
-    ``rope [S, head_dim // 2, 2]`` (Meta's interleaved layout)."""
+    ``rope [S, head_dim // 2, 2]``, or ``[B, S, head_dim // 2, 2]`` where each row has its own
+    positions (packed sequences) (Meta's interleaved layout)."""
     x_pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, head_dim // 2, 2]
     x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
-    cos = rope[:, None, :, 0]  # [S, 1, head_dim // 2]: broadcast over batch and heads
-    sin = rope[:, None, :, 1]
+    cos = rope[..., None, :, 0]  # [(B,) S, 1, head_dim // 2]: broadcast over heads (and batch)
+    sin = rope[..., None, :, 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -536,7 +537,8 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: LongTensor [B, S] with S <= max_seq_len -> logits [B, S, vocab_size].
         ``positions`` ([S], default ``0..S-1``): the global position of each token, for a shard of a
-        longer sequence (context parallelism: ``hpservice.parallel.context_parallel.positions``).
+        longer sequence (context parallelism: ``hpservice.parallel.context_parallel.positions``);
+        or ``[B, S]``, each row's own (packed sequences restart them per document).
         A pipeline stage (``keep_stage``) without the embedding takes hidden states ``[B, S, dim]``
         instead of tokens; one without the head returns hidden states."""
         seq_len = tokens.shape[1]

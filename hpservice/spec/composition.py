@@ -59,6 +59,13 @@ def _seq_len_not_divisible(spec, _) -> list[str]:
     return [f"{where}.seq_len" for where, d in _sections(spec) if cp > 1 and d.seq_len % (2 * cp)]
 
 
+def _documents_under_pp(spec, _) -> list[str]:
+    if spec.parallelism.pp == 1:
+        return []
+    found = [f"{where}.document_mask" for where, d in _sections(spec) if d.document_mask]
+    return found + [f"{where}.packing" for where, d in _sections(spec) if d.kind == "chat" and d.packing != "none"]
+
+
 def _synthetic_without_vocab(spec, _) -> list[str]:
     if spec.model.name is None or ":" not in spec.model.name:
         return []
@@ -95,6 +102,14 @@ COMPOSITIONS: tuple[Composition, ...] = (
         "head and a tail chunk of every sequence)",
         fields=_seq_len_not_divisible,
         facts=lambda spec, _, field: {"seq_len": _at(spec, field), "chunks": 2 * spec.parallelism.cp},
+    ),
+    Composition(
+        id="documents_with_pp",
+        scope="job",
+        combination="`pp > 1` with packed documents (`data.document_mask`, or chat data's `packing`)",
+        message="attention within each packed document is not built under pipeline parallelism yet (the stages would "
+        "attend across documents); use packing: none (chat data), or dp / tp / cp",
+        fields=_documents_under_pp,
     ),
     Composition(
         id="factory_synthetic_vocab",

@@ -101,16 +101,75 @@ class ModelSpec(_Section):
         return v
 
 
+_CHAT_FIELD_KEYS = {
+    "messages": ("messages", "role", "content", "tools"),
+    "sharegpt": ("conversations", "from", "value", "tools"),
+    "alpaca": ("instruction", "input", "output", "system"),
+    "prompt_completion": ("prompt", "completion", "tools"),
+}
+
+
+class ChatSourceSpec(_Section):
+    """One source of a chat-data mixture."""
+
+    path: str = Field(..., max_length=_MAX_PATH, description="a .jsonl or .parquet file, a glob of them, or a datasets save_to_disk directory")
+    weight: float = Field(1.0, ge=0, le=1000, description="records per epoch relative to the source's size (2: each twice; 0.5: a seeded half)")
+
+
 class DataSpec(_Section):
-    kind: Literal["synthetic", "tokens", "text"] = Field(
-        "synthetic", description="synthetic tokens, a .bin token file, or a text file"
+    kind: Literal["synthetic", "tokens", "text", "chat"] = Field(
+        "synthetic",
+        description="synthetic tokens, a .bin token file, a text file, or conversations (chat: JSONL / Parquet / a "
+        "datasets directory, rendered with the model's chat template; docs/fine-tuning.md)",
     )
-    path: str | None = Field(None, max_length=_MAX_PATH, description="file for kind 'tokens' or 'text'")
+    path: str | None = Field(
+        None,
+        max_length=_MAX_PATH,
+        description="file for kind 'tokens' or 'text'; kind 'chat': a .jsonl or .parquet file, a glob of them, or a "
+        "datasets save_to_disk directory (or data.sources)",
+    )
+    sources: list[ChatSourceSpec] = Field(
+        default_factory=list, max_length=64, description="kind 'chat': a mixture of sources with weights (instead of data.path)"
+    )
     tokenizer: str | None = Field(
         None,
         max_length=_MAX_PATH,
         description="kind 'text': a Hugging Face tokenizer.json to tokenize it with (once, into the run's "
-        "directory); default the byte-level tokenizer (vocabulary 256)",
+        "directory); default the byte-level tokenizer (vocabulary 256). Kind 'chat': a tokenizer directory "
+        "(tokenizer.json, tokenizer_config.json with its chat_template); default model.init_from",
+    )
+    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion"] = Field(
+        "messages",
+        description="kind 'chat': the records' format: OpenAI messages (role/content), ShareGPT conversations "
+        "(from/value), Alpaca (instruction/input/output), or prompt/completion",
+    )
+    fields: dict[str, Annotated[str, Field(max_length=200)]] = Field(
+        default_factory=dict,
+        max_length=8,
+        description="kind 'chat': the records' field names where they differ from the format's (e.g. {messages: chat, "
+        "role: speaker})",
+    )
+    chat_template: str | None = Field(
+        None,
+        max_length=256 << 10,
+        description="kind 'chat': a Jinja chat template, inline or a .jinja file; default the tokenizer's",
+    )
+    train_on: Literal["assistant", "last_assistant", "completion", "all"] = Field(
+        "assistant",
+        description="kind 'chat': the tokens the loss learns from: every assistant turn, the last one, the "
+        "completion (prompt/completion data; its default), or every token",
+    )
+    train_eos: bool = Field(True, description="kind 'chat': train each assistant turn's end-of-turn token (else generation never stops)")
+    packing: Literal["none", "first_fit", "best_fit"] = Field(
+        "none",
+        description="kind 'chat': several conversations per sequence (attention and positions kept per conversation), or "
+        "one per sequence, padded",
+    )
+    truncation: Literal["drop", "truncate"] = Field(
+        "drop", description="kind 'chat': a conversation longer than seq_len is dropped, or cut to seq_len (both counted)"
+    )
+    on_bad_record: Literal["error", "skip"] = Field(
+        "error", description="kind 'chat': a record that does not match its format stops the job naming it, or is skipped and counted"
     )
     vocab_size: int | None = Field(None, gt=0, description="vocabulary size (synthetic data; defaults to the model's)")
     seq_len: int = Field(64, gt=1, description="tokens per sample")
@@ -129,11 +188,31 @@ class DataSpec(_Section):
     )
 
     @model_validator(mode="after")
+    def _chat_fields(self):
+        chat_only = ("sources", "format", "fields", "chat_template", "train_on", "train_eos", "packing", "truncation", "on_bad_record")
+        if self.kind != "chat":
+            for name in chat_only:
+                if name in self.model_fields_set:
+                    raise ValueError(f"data.{name} applies to kind 'chat', not {self.kind!r}")
+            return self
+        if bool(self.path) == bool(self.sources):
+            raise ValueError("data.path or data.sources (one of them) is required for kind 'chat'")
+        allowed = _CHAT_FIELD_KEYS[self.format]
+        for key in self.fields:
+            if key not in allowed:
+                raise ValueError(f"data.fields.{key}: not a field of format {self.format!r}; its fields: {', '.join(allowed)}")
+        if self.document_mask or self.eos_id is not None:
+            raise ValueError("data.document_mask / data.eos_id: kind 'chat' keeps attention per conversation itself (data.packing)")
+        if self.sources and not any(s.weight > 0 for s in self.sources):
+            raise ValueError("data.sources: every weight is 0")
+        return self
+
+    @model_validator(mode="after")
     def _path_for_files(self):
         if self.kind in ("tokens", "text") and not self.path:
             raise ValueError(f"data.path is required for kind {self.kind!r}")
-        if self.tokenizer is not None and self.kind != "text":
-            raise ValueError(f"data.tokenizer applies to kind 'text' (a 'tokens' file is already tokenized), not {self.kind!r}")
+        if self.tokenizer is not None and self.kind not in ("text", "chat"):
+            raise ValueError(f"data.tokenizer applies to kinds 'text' and 'chat' (a 'tokens' file is already tokenized), not {self.kind!r}")
         unrecorded = self.kind == "synthetic" or (self.kind == "text" and self.tokenizer is None)  # no prepare-data file
         if self.document_mask and self.eos_id is None and unrecorded:
             what = "synthetic tokens" if self.kind == "synthetic" else "byte-level text"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -78,8 +79,75 @@ def _tokenized_text(d, vocab: int | None, run_dir: Path, rank: int, world: int) 
     return build_source("tokens", path=cache, vocab_size=vocab, seed=d.seed)
 
 
-def build_dataset(d, vocab: int | None, run_dir: Path, *, rank: int, world: int) -> TokenSource:
+def _chat_template(value: str | None) -> str | None:
+    """``data.chat_template``: inline (it holds a Jinja tag) or a file."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    from hpservice.data.chat._template import MAX_TEMPLATE_CHARS
+
+    return read_input(value, 4 * MAX_TEMPLATE_CHARS).decode("utf-8")
+
+
+def chat_inputs(d, init_from: str | None):
+    """(the sources' paths, their weights, the ChatTokenizer) of a chat data section; the
+    tokenizer is ``data.tokenizer``, else the ``model.init_from`` checkpoint's."""
+    from hpservice.data.chat import load_chat_tokenizer
+
+    tokenizer = d.tokenizer or init_from
+    if tokenizer is None:
+        raise TrainingError("data.tokenizer: kind 'chat' needs a tokenizer directory (or model.init_from's)")
+    sources = [([s.path], s.weight) for s in d.sources] if d.sources else [([d.path], 1.0)]
+    try:
+        tok = load_chat_tokenizer(tokenizer, _chat_template(d.chat_template))
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"data.tokenizer: {e}") from e
+    return [p for p, _ in sources], [w for _, w in sources], tok
+
+
+def _chat(d, vocab: int | None, run_dir: Path, rank: int, world: int, init_from: str | None) -> TokenSource:
+    """Chat data: rank 0 encodes every record once into the run's directory (reused by restarts)
+    while the others wait, then every rank reads the arrays (``hpservice.data.chat``)."""
+    import os
+
+    from hpservice.data.chat import ChatOptions, ChatSource, Corpus, corpus_key, encode_corpus
+
+    paths, weights, tok = chat_inputs(d, init_from)
+    opts = ChatOptions(
+        seq_len=d.seq_len, format=d.format, fields=tuple(sorted(d.fields.items())), train_on=d.train_on,
+        train_eos=d.train_eos, truncation=d.truncation, on_bad_record=d.on_bad_record,
+    )  # fmt: skip
+    failure = [None]
+    try:
+        cache = run_dir / "data" / f"chat-{corpus_key(paths, tok, opts)}"
+    except (OSError, ValueError) as e:
+        cache, failure = None, [f"data.path: {e}"]
+    if rank == 0 and cache is not None and not cache.exists():
+        try:
+            workers = max(0, min(4, (os.cpu_count() or 1) // world - 1))
+            encode_corpus(paths, tok, opts, workers=workers).save(cache)
+        except (OSError, ValueError) as e:
+            failure = [f"data: {e}"]
+    if world > 1:
+        dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise TrainingError(failure[0])
+    corpus = Corpus.load(cache)
+    top = int(np.asarray(corpus.tokens).max())
+    if vocab is not None and top >= vocab:
+        raise TrainingError(f"data.tokenizer: token id {top} is outside the model's vocabulary of {vocab}")
+    pad = tok.special_tokens.get("pad_token") or tok.special_tokens.get("eos_token")
+    pad_id = 0
+    if pad is not None:
+        from tokenizers import Tokenizer
+
+        pad_id = Tokenizer.from_str(tok.tokenizer_json).token_to_id(pad) or 0
+    return ChatSource(corpus, seq_len=d.seq_len, seed=d.seed, packing=d.packing, weights=weights, vocab_size=vocab, pad_id=pad_id)
+
+
+def build_dataset(d, vocab: int | None, run_dir: Path, *, rank: int, world: int, init_from: str | None = None) -> TokenSource:
     """The source of a data section (``data`` or ``eval.data``) by its kind."""
+    if d.kind == "chat":
+        return _chat(d, vocab, run_dir, rank, world, init_from)
     if d.kind == "text" and d.tokenizer is not None:
         return _tokenized_text(d, vocab, run_dir, rank, world)
     if d.kind == "tokens":
@@ -121,6 +189,11 @@ class RankBatches:
     def every_label_valid(self) -> bool:
         return self.source.every_label_valid
 
+    def facts(self, step: int) -> dict:
+        """Step metrics the source knows (chat data: the epoch, the packing efficiency)."""
+        facts = getattr(self.source, "step_facts", None)
+        return facts(step, self.global_batch) if facts is not None else {}
+
     def __call__(self, step: int) -> Batch:
         batch = self.source.batch(step, self.dp_rank, self.dp_size, self.global_batch, self.seq_len)
         if self.eos_id is not None and batch.document_ids is None:
@@ -132,11 +205,12 @@ def build_data(spec, dims, vocab: int | None, run_dir: Path, device: torch.devic
     """This rank's training batches and, with ``eval.interval``, its validation batches (masked
     into documents as training's under ``data.document_mask``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    source = build_dataset(spec.data, vocab, run_dir, rank=rank, world=world)
+    init_from = spec.model.init_from
+    source = build_dataset(spec.data, vocab, run_dir, rank=rank, world=world, init_from=init_from)
     eos = document_eos(spec.data, source) if spec.data.document_mask else None
     where = {"dp_rank": dims.dp_rank, "dp_size": dims.dp_size, "device": device, "eos_id": eos}
     train = RankBatches(source, spec.data, **where)
     if not spec.eval.interval:
         return train, None
-    eval_source = build_dataset(spec.eval.data, vocab, run_dir, rank=rank, world=world)
+    eval_source = build_dataset(spec.eval.data, vocab, run_dir, rank=rank, world=world, init_from=init_from)
     return train, RankBatches(eval_source, spec.eval.data, **where)

@@ -55,8 +55,13 @@ def attention(batch: Batch, dims: ParallelDims):
 def micro_batch_loss(model: nn.Module, batch: Batch, dims: ParallelDims, loss: TokenLoss) -> torch.Tensor:
     """The micro-batch's share of the step's loss (``TokenLoss``). Under context parallelism, of
     this rank's part of each sequence, the model told the tokens' global positions; fully_shard
-    averages the cp ranks' gradients as it does the data-parallel ranks'."""
+    averages the cp ranks' gradients as it does the data-parallel ranks'. Packed rows
+    (``Batch.positions``) give the model each token's position within its document."""
     if dims.cp == 1:
-        return loss(model(batch.inputs), batch.labels)
+        if batch.positions is None:
+            return loss(model(batch.inputs), batch.labels)
+        return loss(model(batch.inputs, positions=batch.positions), batch.labels)
     pos = _cp_positions(batch, dims)
-    return loss(model(batch.inputs.index_select(1, pos), positions=pos), batch.labels.index_select(1, pos))
+    # rotary positions: each token's own in its document where rows are packed, else its global one
+    rope = pos if batch.positions is None else batch.positions.index_select(1, pos)
+    return loss(model(batch.inputs.index_select(1, pos), positions=rope), batch.labels.index_select(1, pos))

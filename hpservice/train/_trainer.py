@@ -30,6 +30,7 @@ from hpservice.inputs import confine
 from hpservice.metrics import step_record
 from hpservice.parallel import ParallelDims
 from hpservice.spec import JobSpec, new_run_id
+from hpservice.spec.composition import refusal
 
 from ._compile import check_compile_available
 from ._dataset import build_data
@@ -228,6 +229,8 @@ class Trainer:
         )
         loss_sum = torch.zeros((), device=self.device)
         if self.pipeline is not None:
+            if batch.document_ids is not None:  # a job built in code, past the spec's check
+                raise TrainingError(f"parallelism.pp: {refusal('documents_with_pp')}")
             losses: list[torch.Tensor] = []
             self.pipeline.step(batch.inputs, target=batch.labels, losses=losses)
             if losses:
@@ -268,6 +271,8 @@ class Trainer:
         tokens = self.data.global_tokens
         values = {
             "loss": loss_value,
+            **({} if self.data.every_label_valid else {"trained_tokens": self.loss.global_valid}),
+            **self.data.facts(self.step - 1),
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens / elapsed,

@@ -401,6 +401,29 @@ def _reason(detail: str) -> str:
     return detail.split(": ", 1)[1].removeprefix("hpservice.dtensor: ").replace("|", "\\|")
 
 
+# Ours on every sample of every op (``--ours-only --samples 1000 --save``: 15-25 minutes on 2
+# cores, too long for CI, which runs the first SAMPLES_PER_OP): the count torch's own test makes.
+FULL_RECORD = Path(__file__).with_name("ops_full_sweep.json")
+
+
+def _full_sweep_lines(theirs: dict) -> list[str]:
+    if not FULL_RECORD.is_file():
+        return []
+    data = json.loads(FULL_RECORD.read_text())
+    ours = {op: {p: tuple(r) for p, r in per.items()} for op, per in data["results"].items()}
+    crashes = sorted({k for (k, _), _ in listed(ours, "crash").items()})
+    return [
+        f"Counted as torch's `test_dtensor_ops.py` counts (an op agrees only when every sample of both placements "
+        f"does), on every sample (`python -m tests.compat.op_sweep --ours-only --samples 1000 --save "
+        f"tests/compat/ops_full_sweep.json`, torch {data['torch']}, {data['world']} ranks): hpservice "
+        f"{headline(ours)}. torch's DTensor on the same count, as measured for issue 49: 488 of 624 agree. "
+        f"The crash{'es' if len(crashes) != 1 else ''} ({', '.join(f'`{c}`' for c in crashes)}): a DTensor passed "
+        "where torch's C++ reads a host tensor's values (`tensor_split`'s index tensor) fails before any dispatch, "
+        "in torch's DTensor the same way.",
+        "",
+    ]
+
+
 def document(ours: dict, theirs: dict, world: int, samples_per_op: int) -> str:
     """docs/dtensor-ops.md: the table, then every op ours refuses or crashes on, with the reason."""
     lines = [
@@ -414,6 +437,7 @@ def document(ours: dict, theirs: dict, world: int, samples_per_op: int) -> str:
         "",
         table(ours, theirs),
         "",
+        *_full_sweep_lines(theirs),
         "`silent` is a value, shape or dtype other than the plain op's: hpservice must have none. Where "
         "torch's DTensor is silent, torch is the one off the single-device math.",
         "",
@@ -440,7 +464,13 @@ if __name__ == "__main__":
     import argparse
     from pathlib import Path
 
-    from hpservice.launch import run_ranks
+    from hpservice.launch import RankPool
+
+    def run_ranks(fn, world, *args, timeout):
+        # a long process-group timeout: one rank's slow sample (a loaded machine) must not fail the
+        # other's next collective
+        with RankPool(world, pg_timeout_s=900) as pool:
+            return pool.run(fn, *args, timeout=timeout)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)

@@ -137,6 +137,8 @@ def _chunks(paths: list[str]):
 def _results(paths: list[str], tok: ChatTokenizer, opts: ChatOptions, workers: int):
     """(source index, per-record result) in the records' order."""
     chunks = _chunks(paths)
+    if multiprocessing.current_process().daemon:  # a daemonic process may not start children
+        workers = 0
     if workers <= 0:
         _init(tok, opts)
         for chunk, index in chunks:

@@ -121,6 +121,24 @@ class ChatSource(TokenSource):
         epoch, within = self._locate(step * global_batch)
         return epoch + within / len(self._rows_of_epoch(epoch))
 
+    def step_records(self, step: int, global_batch: int) -> list[int]:
+        """The records of a step's global batch, row after row."""
+        out: list[int] = []
+        for g in range(step * global_batch, (step + 1) * global_batch):
+            epoch, row = self._locate(g)
+            out += [int(r) for r in self._rows_of_epoch(epoch)[row]]
+        return out
+
+    def step_facts(self, step: int, global_batch: int) -> dict:
+        """The metrics of a step's global batch: its epoch and its packing efficiency (record
+        tokens over all positions)."""
+        first = step * global_batch
+        filled = 0
+        for g in range(first, first + global_batch):
+            epoch, row = self._locate(g)
+            filled += int(self.lengths[self._rows_of_epoch(epoch)[row]].sum())
+        return {"epoch": self.epoch_of_step(step, global_batch), "packing_efficiency": filled / (global_batch * self.seq_len)}
+
     def packing_efficiency(self, epoch: int = 0) -> float:
         """Record tokens / row positions in ``epoch``."""
         rows = self._rows_of_epoch(epoch)
