@@ -26,7 +26,8 @@ answers with 422. The rules:
   the smaller of the two budgets left (``JobSpec.storage_limit_bytes``), which its trainer
   enforces as it writes.
 - **Inputs.** Checked here by name, and again by each worker on the file it opens
-  (``JobSpec.input_roots``, below). ``data.path``, ``data.tokenizer`` and their ``eval.data`` twins must lie under one
+  (``JobSpec.input_roots``, below). ``data.path``, ``data.tokenizer``, chat data's ``data.sources`` and
+  ``data.chat_template`` file, and their ``eval.data`` twins must lie under one
   of the operator's data roots
   (``Settings.data_roots``, ``--data-root``); with none configured, the service reads no files.
   ``checkpoint.resume_from`` and ``model.init_from`` may name a checkpoint in one of the owner's
@@ -204,6 +205,14 @@ def _admit_data(data, field: str, home: Path, settings: Settings, errors: list):
         value = getattr(data, key)
         if value is not None:
             update[key] = str(_input(value, f"{field}.{key}", home, settings, errors))
+    template = data.chat_template
+    if template is not None and "{{" not in template and "{%" not in template:  # a file, not the template itself
+        update["chat_template"] = str(_input(template, f"{field}.chat_template", home, settings, errors))
+    if data.sources:  # chat mixtures: every source's files, globs included, under a data root
+        update["sources"] = [
+            s.model_copy(update={"path": str(_input(s.path, f"{field}.sources[{i}].path", home, settings, errors))})
+            for i, s in enumerate(data.sources)
+        ]
     return data.model_copy(update=update)
 
 

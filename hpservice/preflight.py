@@ -239,6 +239,8 @@ def input_files(spec: JobSpec) -> list[tuple[str, str, str]]:
     for prefix, data in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
         if data is None:
             continue
+        if data.kind == "chat":  # globs, directories, weighted sources: _chat_errors reads them
+            continue
         if data.path is not None and data.kind != "synthetic":
             found.append((f"{prefix}.path", data.path, "file"))
         if data.tokenizer is not None:
@@ -265,7 +267,75 @@ def check_inputs(spec: JobSpec, visible: Callable[[Path], bool] = lambda p: True
             errors.append((field, f"{raw}: no such {what}" if not path.exists() else f"{raw}: not a directory"))
         elif field == "model.init_from":
             errors += _init_from_errors(spec, raw, path)
+    for prefix, data in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
+        if data is not None and data.kind == "chat":
+            errors += _chat_errors(prefix, data, spec.model.init_from, visible)
     return errors
+
+
+CHAT_SAMPLE = 64  # records of each chat file checked against the declared format before start
+
+
+def _chat_errors(prefix: str, d, init_from: str | None, visible: Callable[[Path], bool]) -> Errors:
+    """A chat data section before start: the tokenizer and its template load and compile (never
+    rendered here: a template is a tenant's code, run only in the job's own processes), and the
+    first ``CHAT_SAMPLE`` records of every file match the declared format, each error naming the
+    file, the line and the field."""
+    from hpservice.data.chat import ChatTemplate, expand_paths, load_chat_tokenizer, template_text
+    from hpservice.inputs import InputError
+
+    errors: Errors = []
+    tok_path = d.tokenizer or init_from
+    if tok_path is None:
+        errors.append((f"{prefix}.tokenizer", "kind 'chat' needs a tokenizer directory (tokenizer.json and "
+                       "tokenizer_config.json), or model.init_from's"))  # fmt: skip
+    elif visible(Path(tok_path)):
+        field = f"{prefix}.tokenizer" if d.tokenizer else "model.init_from"
+        try:
+            tok = load_chat_tokenizer(tok_path, template_text(d.chat_template))
+            if tok.template is None:
+                errors.append((f"{prefix}.chat_template", f"the tokenizer at {tok_path} has no chat template; give one "
+                               "(inline, or a .jinja file)"))  # fmt: skip
+            else:
+                ChatTemplate(tok.template, tok.special_tokens)
+        except InputError:
+            errors.append((field, f"{tok_path}: resolves outside the allowed roots"))
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            errors.append((f"{prefix}.chat_template" if "chat template" in str(e) else field, str(e)))
+    sources = [(f"{prefix}.sources[{i}].path", s.path) for i, s in enumerate(d.sources)] or [(f"{prefix}.path", d.path)]
+    for field, raw in sources:
+        if not visible(Path(raw.split("*")[0] or ".")):
+            continue
+        try:
+            files = expand_paths(raw)
+        except FileNotFoundError as e:
+            errors.append((field, str(e)))
+            continue
+        for f in files:
+            errors += _chat_sample_errors(field, f, d)
+    return errors
+
+
+def _chat_sample_errors(field: str, f: str, d) -> Errors:
+    from hpservice.data.chat import RecordError, read_records, to_conversation
+    from hpservice.inputs import InputError
+
+    seen = 0
+    try:
+        for where, record in read_records(f):
+            seen += 1
+            try:
+                to_conversation(record, d.format, d.fields, d.train_on)
+            except RecordError as e:
+                if d.on_bad_record == "error":
+                    return [(field, f"{where}: {e} (format {d.format!r})")]
+            if seen == CHAT_SAMPLE:
+                break
+    except InputError:
+        return [(field, f"{f}: resolves outside the allowed roots")]
+    except (OSError, ValueError) as e:
+        return [(field, str(e))]
+    return [] if seen else [(field, f"{f}: no records")]
 
 
 def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:

@@ -79,26 +79,17 @@ def _tokenized_text(d, vocab: int | None, run_dir: Path, rank: int, world: int) 
     return build_source("tokens", path=cache, vocab_size=vocab, seed=d.seed)
 
 
-def _chat_template(value: str | None) -> str | None:
-    """``data.chat_template``: inline (it holds a Jinja tag) or a file."""
-    if value is None or "{{" in value or "{%" in value:
-        return value
-    from hpservice.data.chat._template import MAX_TEMPLATE_CHARS
-
-    return read_input(value, 4 * MAX_TEMPLATE_CHARS).decode("utf-8")
-
-
 def chat_inputs(d, init_from: str | None):
     """(the sources' paths, their weights, the ChatTokenizer) of a chat data section; the
     tokenizer is ``data.tokenizer``, else the ``model.init_from`` checkpoint's."""
-    from hpservice.data.chat import load_chat_tokenizer
+    from hpservice.data.chat import load_chat_tokenizer, template_text
 
     tokenizer = d.tokenizer or init_from
     if tokenizer is None:
         raise TrainingError("data.tokenizer: kind 'chat' needs a tokenizer directory (or model.init_from's)")
     sources = [([s.path], s.weight) for s in d.sources] if d.sources else [([d.path], 1.0)]
     try:
-        tok = load_chat_tokenizer(tokenizer, _chat_template(d.chat_template))
+        tok = load_chat_tokenizer(tokenizer, template_text(d.chat_template))
     except (OSError, ValueError) as e:
         raise TrainingError(f"data.tokenizer: {e}") from e
     return [p for p, _ in sources], [w for _, w in sources], tok

@@ -957,10 +957,10 @@ def _check_dtypes_the_backends_do_not_carry():
         assert torch.equal(partial.full_tensor(), want), dtype
         assert torch.equal(partial.redistribute(mesh, [ours.Shard(0)]).full_tensor(), want), dtype
         if dtype != torch.uint64:
-            shifted = lambda r: (x.to(torch.int64) + r).to(dtype)  # noqa: E731 (no add for uint16 / uint32)
-            top = ours.DTensor.from_local(shifted(dist.get_rank()), mesh, [ours.Partial("max")])
-            assert torch.equal(top.full_tensor(), shifted(world - 1)), dtype
-    with pytest.raises(TypeError, match="max reduction of torch.uint64"):
+            wide = x.to(torch.int64)  # no add for uint16 / uint32
+            top = ours.DTensor.from_local((wide + dist.get_rank()).to(dtype), mesh, [ours.Partial("max")])
+            assert torch.equal(top.full_tensor(), (wide + world - 1).to(dtype)), dtype
+    with pytest.raises(TypeError, match=r"max reduction of torch\.uint64"):
         ours.DTensor.from_local(torch.ones(2, dtype=torch.uint64), mesh, [ours.Partial("max")]).full_tensor()
     return True
 

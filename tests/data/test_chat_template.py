@@ -104,7 +104,7 @@ def test_a_turn_rendered_otherwise_once_later_turns_follow_is_refused_and_the_la
     with pytest.raises(RecordError, match="differently once later turns follow"):
         encoder.encode(_conv(name))
     if family == "mistral":
-        with pytest.raises(RecordError, match="Mistral v0.3's writes the system prompt only"):
+        with pytest.raises(RecordError, match=r"Mistral v0\.3.s writes the system prompt only"):
             encoder.encode(_conv(name, "last_assistant"))
         return
     last = encoder.encode(_conv(name, "last_assistant"))
@@ -184,5 +184,5 @@ def test_the_sandbox_refuses_pythons_internals(source):
 def test_a_tokenizer_without_a_template_is_refused_naming_the_field(tmp_path):
     folder = tokenizer_dir(tmp_path, "qwen2_5", template="")
     tok = load_chat_tokenizer(str(folder))
-    with pytest.raises(ValueError, match="data.chat_template"):
+    with pytest.raises(ValueError, match=r"data\.chat_template"):
         ChatEncoder(tok.__class__(tok.tokenizer_json, None, tok.special_tokens, tok.where))

@@ -13,7 +13,7 @@ batches). The guide: docs/fine-tuning.md.
 """
 
 from ._corpus import ChatOptions, Corpus, corpus_key, encode_corpus
-from ._encode import ChatEncoder, ChatTokenizer, Encoded, load_chat_tokenizer
+from ._encode import ChatEncoder, ChatTokenizer, Encoded, load_chat_tokenizer, template_text
 from ._formats import FORMATS, TRAIN_ON, Conversation, RecordError, to_conversation
 from ._records import expand_paths, read_records
 from ._source import PACKING, ChatSource
@@ -38,5 +38,6 @@ __all__ = [
     "expand_paths",
     "load_chat_tokenizer",
     "read_records",
+    "template_text",
     "to_conversation",
 ]

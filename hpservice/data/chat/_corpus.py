@@ -97,23 +97,25 @@ def _init(tok: ChatTokenizer, opts: ChatOptions) -> None:
 
 
 def _encode_one(where: str, record) -> tuple:
-    """("ok", ids, mask) or ("bad", where, why)."""
+    """("ok", ids, mask), ("long",) (surely longer than seq_len, dropped) or ("bad", where, why)."""
     opts: ChatOptions = _worker["opts"]
-    timed = threading.current_thread() is threading.main_thread()
+    timed = threading.current_thread() is threading.main_thread()  # signals reach the main thread only
+    previous = signal.signal(signal.SIGALRM, _alarm) if timed else None
     try:
         conv = to_conversation(record, opts.format, dict(opts.fields), opts.train_on)
         if timed:
-            signal.signal(signal.SIGALRM, _alarm)
             signal.setitimer(signal.ITIMER_REAL, opts.template_seconds)
-        try:
-            enc = _worker["encoder"].encode(conv)
-        finally:
-            if timed:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+        enc = _worker["encoder"].encode(conv, max_tokens=opts.seq_len if opts.truncation == "drop" else None)
     except _Timeout:
-        return ("bad", where, f"the chat template took longer than {opts.template_seconds} s to render it")
+        return ("bad", where, f"rendering and tokenizing it took longer than {opts.template_seconds} s")
     except (RecordError, TemplateLimitError, ValueError) as e:
         return ("bad", where, str(e))
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    if enc is None:
+        return ("long",)
     return ("ok", enc.ids, enc.mask)
 
 
@@ -182,6 +184,9 @@ def encode_corpus(paths: list[list[str]], tok: ChatTokenizer, opts: ChatOptions,
             stats["skipped_bad"] += 1
             if len(stats["bad_examples"]) < _EXAMPLES:
                 stats["bad_examples"].append(f"{where}: {why}")
+            continue
+        if result[0] == "long":
+            stats["dropped_too_long"] += 1
             continue
         _, ids, mask = result
         if len(ids) > opts.seq_len:

@@ -31,7 +31,7 @@ import numpy as np
 from ._formats import Conversation, RecordError
 from ._template import ChatTemplate
 
-__all__ = ["ChatEncoder", "ChatTokenizer", "Encoded", "load_chat_tokenizer"]
+__all__ = ["ChatEncoder", "ChatTokenizer", "Encoded", "load_chat_tokenizer", "template_text"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -57,6 +57,17 @@ def _token_str(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def template_text(value: str | None) -> str | None:
+    """``data.chat_template``: the template itself (it holds a Jinja tag) or a file holding it."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    from hpservice.inputs import read_input
+
+    from ._template import MAX_TEMPLATE_CHARS
+
+    return read_input(value, 4 * MAX_TEMPLATE_CHARS).decode("utf-8")
 
 
 def load_chat_tokenizer(path: str, chat_template: str | None = None) -> ChatTokenizer:
@@ -88,6 +99,8 @@ def load_chat_tokenizer(path: str, chat_template: str | None = None) -> ChatToke
             template = named.get("default")
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template is not a string")
+    if isinstance(template, str) and not template.strip():
+        template = None
     special = {k: s for k in _SPECIAL_KEYS if (s := _token_str(config.get(k))) is not None}
     return ChatTokenizer(tokenizer_json, template, special, str(folder))
 
@@ -108,9 +121,17 @@ class ChatEncoder:
         self.tokenizer = Tokenizer.from_str(tok.tokenizer_json)
         self.eos = tok.special_tokens.get("eos_token")
         self.train_eos = train_eos
+        # No token stands for more bytes of text than its own string has in UTF-8 (byte-level
+        # BPE's characters, SentencePiece's "▁", byte fallbacks' "<0x41>", added tokens), so a
+        # text of more than n * this many bytes has more than n tokens, without tokenizing it.
+        self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab(with_added_tokens=True))
 
-    def encode(self, conv: Conversation) -> Encoded:
+    def encode(self, conv: Conversation, *, max_tokens: int | None = None) -> Encoded | None:
+        """The tokens and mask of ``conv``; None when it surely has more than ``max_tokens``
+        tokens (found from its text's length alone: a huge record is never tokenized to drop it)."""
         whole = self.template.render(conv.messages, tools=conv.tools)
+        if max_tokens is not None and len(whole.text.encode()) > max_tokens * self.max_token_bytes:
+            return None
         enc = self.tokenizer.encode(whole.text, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int64)
         if conv.every_token:
