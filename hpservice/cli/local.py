@@ -51,7 +51,14 @@ def add_parsers(sub) -> None:
     prep.add_argument("--vocab-size", type=int, default=None, help="with --train-tokenizer: its vocabulary size")
     gen = sub.add_parser("generate", help="generate text from a checkpoint (ours, step-N, or a Hugging Face directory)")
     gen.add_argument("checkpoint", help="a committed step-N checkpoint directory, or a Hugging Face checkpoint directory")
-    gen.add_argument("--prompt", required=True, help="the text to continue")
+    asked = gen.add_mutually_exclusive_group(required=True)
+    asked.add_argument("--prompt", help="the text to continue")
+    asked.add_argument(
+        "--messages",
+        help="a conversation (JSON list of {role, content}, inline or a file): rendered with the model's chat "
+        "template and a generation prompt; prints the assistant's answer",
+    )
+    gen.add_argument("--chat-template", default=None, help="with --messages: a template (inline or a .jinja file) instead of the model's")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="stop after this many tokens (default 32)")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: byte-level, for 256-token models)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -195,6 +202,15 @@ def _generate(args) -> int:
             # the prompt as transformers' tokenizer gives it: with the tokenizer's BOS (Llama 3's)
             encode, decode = (lambda prompt: tok.encode(prompt, add_special_tokens=True).ids), tok.decode
             stops = stop_ids(text, tok)
+            if args.messages is not None:
+                prompt, chat_stops = _chat_prompt(args, files)
+                args.prompt = ""
+                stops |= {i for t in chat_stops if (i := tok.token_to_id(t)) is not None}
+                # the template writes every special token itself: encoded as apply_chat_template does
+                encode = lambda _: tok.encode(prompt, add_special_tokens=False).ids  # noqa: E731
+        elif args.messages is not None:
+            print("hpservice generate: --messages needs a tokenizer with a chat template (--tokenizer, or the model's)", file=sys.stderr)
+            return 2
         elif model.cfg.vocab_size == 256:
             byte = ByteTokenizer()
             encode, decode, stops = byte.encode, byte.decode, set()
@@ -210,6 +226,29 @@ def _generate(args) -> int:
         return 1
     print(args.prompt + decode(ids))
     return 0
+
+
+def _chat_prompt(args, files: dict) -> tuple[str, list[str]]:
+    """(the conversation rendered with a generation prompt, the end-of-turn tokens to stop at)."""
+    import json
+    from pathlib import Path
+
+    from hpservice.data.chat import ChatTemplate, to_conversation
+    from hpservice.data.chat._encode import _SPECIAL_KEYS, _token_str, template_text
+
+    raw = args.messages
+    messages = json.loads(Path(raw).read_text() if not raw.lstrip().startswith("[") else raw)
+    config = json.loads(files.get("tokenizer_config.json") or "{}")
+    if args.tokenizer:  # a tokenizer.json: its config beside it
+        beside = Path(args.tokenizer).with_name("tokenizer_config.json")
+        config = json.loads(beside.read_text()) if beside.is_file() else {}
+    source = template_text(args.chat_template) or files.get("chat_template.jinja") or config.get("chat_template")
+    if not source:
+        raise ValueError("--messages: the model's tokenizer has no chat template; give one with --chat-template")
+    special = {k: s for k in _SPECIAL_KEYS if (s := _token_str(config.get(k))) is not None}
+    conv = to_conversation({"messages": messages}, "messages", {}, "assistant")
+    prompt = ChatTemplate(source, special).render(conv.messages, add_generation_prompt=True).text
+    return prompt, [special["eos_token"]] if "eos_token" in special else []
 
 
 def _prepare_data(args) -> int:

@@ -25,7 +25,7 @@ from hpservice.inputs import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, load_json, rea
 
 __all__ = ["MAX_VOCAB", "TOKENIZER_FILES", "load_tokenizer", "record_from_hf", "record_from_tokenizer", "stop_ids", "write_text_files"]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 MAX_VOCAB = 1 << 21  # tokens in one tokenizer (Gemma 3 has 262,144): more is not a vocabulary
 
@@ -36,7 +36,7 @@ def _read_text(path: Path) -> str | None:
         return None
     limit = MAX_TOKENIZER_BYTES if path.name == "tokenizer.json" else MAX_JSON_BYTES
     text = read_input(path, limit).decode("utf-8")
-    if limit == MAX_JSON_BYTES:  # bounded in structure too, before it is stored or parsed again
+    if path.suffix == ".json" and limit == MAX_JSON_BYTES:  # bounded in structure too, before it is stored or parsed again
         load_json(text, str(path))
     return text
 

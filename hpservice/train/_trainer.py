@@ -126,6 +126,8 @@ class Trainer:
         self.reporter = Reporter(
             spec, self.rank, self.output_dir, on_metrics=on_metrics, log_fn=log_fn, log_to_stdout=log_to_stdout
         )
+        if self.rank == 0 and (described := getattr(self.data.source, "describe", None)) is not None:
+            self.reporter.line(f"[{spec.name}] data: {described()}")  # what encoding kept, dropped, cut
         self.checkpoints = self._build_checkpoints(on_checkpoint)
         if reported_up_to is not None:
             self.reporter.report_earlier_steps(reported_up_to, self.step)

@@ -4,8 +4,9 @@ sum over the global batch's trained tokens over their count (not a mean of per-m
 
 The model: a tiny Qwen3 saved by transformers (``model.init_from``), its tokenizer carrying Qwen3's
 training template (TRL's copy, with generation blocks: multi-turn masks without refusals). Ours on 2
-gloo ranks with fully_shard, gradient accumulation 2 and packing; then tensor parallelism; then
-pipeline parallelism (padded: packing under pp is refused); packed against unpacked in one process.
+gloo ranks with fully_shard, gradient accumulation 2 and packing; then tensor parallelism; context
+parallelism over packed rows; pipeline parallelism (padded: packing under pp is refused); packed
+against unpacked in one process.
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ def test_chat_fine_tuning_with_fully_shard_accumulation_and_packing_equals_trans
 def test_chat_fine_tuning_with_tensor_parallelism_equals_transformers(ranks, tmp_path, model_dir):
     model, data = model_dir
     result = ranks(2).run(_train, _job(tmp_path, model, data, parallelism={"tp": 2}, packing="first_fit"))[0]
+    _assert_equal_to_transformers(result, model)
+
+
+def test_chat_fine_tuning_with_context_parallelism_and_packing_equals_transformers(ranks, tmp_path, model_dir):
+    # ring attention over packed rows: each conversation's attention and positions kept across the cp ranks
+    model, data = model_dir
+    result = ranks(2).run(_train, _job(tmp_path, model, data, parallelism={"cp": 2}))[0]
     _assert_equal_to_transformers(result, model)
 
 

@@ -121,6 +121,17 @@ class ChatSource(TokenSource):
         epoch, within = self._locate(step * global_batch)
         return epoch + within / len(self._rows_of_epoch(epoch))
 
+    def describe(self) -> str:
+        """One line: what encoding the corpus kept, dropped, cut and skipped, and how it packs."""
+        s = self.corpus.stats
+        line = (
+            f"{s['encoded']} of {s['records']} conversations ({s['trained_tokens']:,} trained tokens of {s['tokens']:,}); "
+            f"{s['dropped_too_long']} dropped and {s['truncated']} truncated (longer than seq_len {self.seq_len}), "
+            f"{s['skipped_no_trained_token']} without a trained token, {s['skipped_bad']} malformed skipped; "
+            f"packing {self.packing}: {self.packing_efficiency():.0%} of positions hold conversation tokens"
+        )
+        return line + "".join(f"\n  skipped: {example}" for example in s.get("bad_examples", []))
+
     def step_records(self, step: int, global_batch: int) -> list[int]:
         """The records of a step's global batch, row after row."""
         out: list[int] = []
