@@ -5,7 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpservice.bench import ac, checkpoint, cp, fsdp, gpu, hf, moe, overhead, plan, redistribute, scheduler, service, tp
+from hpservice.bench import (
+    ac,
+    checkpoint,
+    cp,
+    fsdp,
+    gpu,
+    hf,
+    moe,
+    overhead,
+    plan,
+    redistribute,
+    scheduler,
+    service,
+    sft,
+    tp,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_parser(sub)
     moe.add_parser(sub)
     scheduler.add_parser(sub)
+    sft.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -177,8 +177,8 @@ class ChatSource(TokenSource):
             for k, r in enumerate(members):
                 lo, hi = int(starts[r]), int(starts[r + 1])
                 n = hi - lo
-                t = torch.from_numpy(np.asarray(tokens[lo:hi], dtype=np.int64))
-                m = torch.from_numpy(np.asarray(mask[lo + 1 : hi], dtype=bool))
+                t = torch.from_numpy(np.array(tokens[lo:hi], dtype=np.int64))  # a copy: the arrays are read-only maps
+                m = torch.from_numpy(np.array(mask[lo + 1 : hi], dtype=bool))
                 inputs[b, at : at + n] = t
                 labels[b, at : at + n - 1] = torch.where(m, t[1:], IGNORE_INDEX)
                 if packed:
