@@ -123,6 +123,28 @@ def test_input_files_only_from_the_operators_data_roots(tmp_path):
         assert ok.status_code == 201, ok.text
 
 
+def test_chat_inputs_only_from_the_data_roots_and_checked_before_they_are_stored(tmp_path):
+    # every file a chat job names (its sources, globs included, its tokenizer, a template file) is an
+    # input under the data roots; a record that does not match the format is refused at submit
+    from tests.data.chat_fixtures import CONVERSATIONS, tokenizer_dir
+
+    root = tmp_path / "datasets"
+    root.mkdir()
+    tok = tokenizer_dir(root, "qwen2_5")
+    (root / "chats.jsonl").write_text(json.dumps({"messages": CONVERSATIONS["one turn"]}) + "\n")
+    (root / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
+    chat = {"kind": "chat", "path": str(root / "chats.jsonl"), "tokenizer": str(tok), "seq_len": 64}
+    with _client(tmp_path, data_roots=(root,)) as c:
+        _rejected(c, _spec(data={**chat, "path": f"{root}/../../../etc/*"}), "data.path", "outside the allowed data roots")
+        _rejected(c, _spec(data={**chat, "tokenizer": "/etc"}), "data.tokenizer", "outside the allowed data roots")
+        _rejected(c, _spec(data={**chat, "chat_template": "/etc/passwd"}), "data.chat_template", "outside the allowed data roots")
+        mixture = {**chat, "path": None, "sources": [{"path": str(root / "chats.jsonl")}, {"path": "/etc/passwd", "weight": 2.0}]}
+        _rejected(c, _spec(data=mixture), "data.sources[1].path", "outside the allowed data roots")
+        _rejected(c, _spec(data={**chat, "path": str(root / "bad.jsonl")}), "data.path", "bad.jsonl:1: messages[0].role: unknown role 'wizard'")
+        ok = c.post("/v1/jobs", json=_spec(data=chat), headers=_auth(ALICE))
+        assert ok.status_code == 201, ok.text
+
+
 def test_resuming_another_owners_checkpoint_is_refused(tmp_path):
     with _client(tmp_path) as c:
         bobs = c.post("/v1/jobs", json=_spec(checkpoint={"interval": 1}), headers=_auth(BOB)).json()
