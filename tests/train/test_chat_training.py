@@ -223,3 +223,28 @@ def test_each_row_of_a_packed_batch_gets_its_own_positions():
         alone = model(tokens[b : b + 1], positions=positions[b])
         assert torch.equal(together[b], alone[0])
     assert not torch.allclose(together[1], model(tokens)[1])  # restarted positions rotate otherwise
+
+
+def _losses(spec):
+    from hpservice.train import Trainer
+
+    return [(r["step"], r["loss"]) for r in Trainer(spec, log_to_stdout=False).train()]
+
+
+def test_a_chat_job_resumed_mid_epoch_and_resized_trains_on_the_same_rows(ranks, tmp_path, model_dir):
+    # 16 conversations packed: an epoch is a few steps, so step 3 is mid-epoch; resumed on 1 rank
+    # (the world resized) the remaining steps' losses are the uninterrupted run's
+    model, data = model_dir
+    full = _job(tmp_path / "a", model, data, parallelism={"dp_shard": 2}, grad_accum=1)
+    full = full.model_copy(update={"training": full.training.model_copy(update={"steps": 6}),
+                                   "checkpoint": full.checkpoint.model_copy(update={"interval": 3})})  # fmt: skip
+    uninterrupted = ranks(2).run(_losses, full)[0]
+    step3 = tmp_path / "a" / "ckpt" / "step-00000003"
+    resumed_spec = full.model_copy(update={
+        "metrics": full.metrics.model_copy(update={"dir": str(tmp_path / "b")}),
+        "parallelism": full.parallelism.model_copy(update={"dp_shard": 1}),
+        "checkpoint": full.checkpoint.model_copy(update={"dir": str(tmp_path / "b" / "ckpt"), "resume_from": str(step3)}),
+    })  # fmt: skip
+    resumed = ranks(1).run(_losses, resumed_spec)[0]
+    assert [s for s, _ in resumed] == [4, 5, 6]
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in uninterrupted[3:]], abs=1e-5)
