@@ -66,6 +66,13 @@ def _documents_under_pp(spec, _) -> list[str]:
     return found + [f"{where}.packing" for where, d in _sections(spec) if d.kind == "chat" and d.packing != "none"]
 
 
+def _compiled_document_masks(spec, _) -> list[str]:
+    if not spec.training.compile or spec.parallelism.cp > 1:
+        return []
+    packed = any(d.document_mask or (d.kind == "chat" and d.packing != "none") for _, d in _sections(spec))
+    return ["training.compile"] if packed else []
+
+
 def _synthetic_without_vocab(spec, _) -> list[str]:
     if spec.model.name is None or ":" not in spec.model.name:
         return []
@@ -110,6 +117,15 @@ COMPOSITIONS: tuple[Composition, ...] = (
         message="attention within each packed document is not built under pipeline parallelism yet (the stages would "
         "attend across documents); use packing: none (chat data), or dp / tp / cp",
         fields=_documents_under_pp,
+    ),
+    Composition(
+        id="compile_with_document_masks",
+        scope="job",
+        combination="`training.compile` with packed documents (`data.document_mask`, or chat data's `packing`) and "
+        "`cp: 1`",
+        message="torch.compile does not trace the one-rank document-masked attention yet (it fails at the first "
+        "step); use compile: false, packing: none (chat data), or cp > 1, where it runs",
+        fields=_compiled_document_masks,
     ),
     Composition(
         id="factory_synthetic_vocab",
