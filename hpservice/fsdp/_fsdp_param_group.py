@@ -124,6 +124,7 @@ class FSDPParamGroup:
         # Per-backward state.
         self._n_grad_params = sum(p.requires_grad for p in params)
         self._grads_seen = 0
+        self._inputs_done = False  # the module's inputs got their gradient (groups with frozen params)
         self._post_backward_done = False
         self._rs_work = None
         self._ar_work = None
@@ -174,6 +175,14 @@ class FSDPParamGroup:
                     u.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
                     p.grad_hooked = True
         self._n_grad_params = n
+
+    @property
+    def has_frozen(self) -> bool:
+        """Some parameter gets no gradient: the last gradient accumulated does not mean the
+        module's backward is over (its frozen weights still carry the input's gradient: LoRA's
+        base, a frozen layer inside a trained block), so the group stays unsharded until its
+        inputs' gradient is computed (``inputs_grad_ready``), as torch's FSDP2 waits for it."""
+        return self._n_grad_params < len(self.params)
 
     # ---- parameter swaps ------------------------------------------------------------------------
     def params_linked(self) -> bool:
@@ -271,6 +280,12 @@ class FSDPParamGroup:
     # ---- backward ---------------------------------------------------------------------------
     def _on_grad_accumulated(self, _param) -> None:
         self._grads_seen += 1
+        if self._grads_seen == self._n_grad_params and (self._inputs_done or not self.has_frozen):
+            self.post_backward()
+
+    def inputs_grad_ready(self) -> None:
+        """The module's inputs have their gradient: its whole backward is done."""
+        self._inputs_done = True
         if self._grads_seen == self._n_grad_params:
             self.post_backward()
 
@@ -373,6 +388,7 @@ class FSDPParamGroup:
         needs_sync = self._needs_host_sync
         self._needs_host_sync = False
         self._grads_seen = 0
+        self._inputs_done = False
         self._post_backward_done = False
         return needs_sync
 

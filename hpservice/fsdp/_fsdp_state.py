@@ -22,11 +22,12 @@ lives on the states of one model: two models in one process share nothing.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch.autograd import Variable
 from torch.profiler import record_function
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
@@ -130,6 +131,8 @@ class FSDPState:
             for target in self._forward_targets():
                 with record_function(f"FSDP::forward_prefetch for {target.group.fqn}"):
                     target.group.unshard()
+            if self.group.has_frozen and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                args, kwargs = _mark_inputs((args, kwargs), self.group)
         return args, kwargs
 
     @_phase("post_forward")
@@ -228,3 +231,35 @@ def _cast_floats(tree, dtype: torch.dtype):
         return x
 
     return tree_map(cast, tree)
+
+
+class _InputsGradReady(torch.autograd.Function):
+    """Identity on a module's inputs, all in one node: its backward runs once every input's
+    gradient is computed, i.e. when the module's backward is done, and tells the module's group
+    (torch FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, group_ref, *xs):
+        ctx.group_ref = group_ref
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group_ref()
+        if group is not None:
+            group.inputs_grad_ready()
+        return (None, *grads)
+
+
+def _mark_inputs(tree, group):
+    """The forward arguments with the floating tensors that require grad passed through one
+    ``_InputsGradReady`` (a module whose inputs need no gradient leaves it to the root's final
+    callback)."""
+    leaves, spec = tree_flatten(tree)
+    marked = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()]
+    if not marked:
+        return tree
+    outs = _InputsGradReady.apply(weakref.ref(group), *(leaves[i] for i in marked))
+    for i, y in zip(marked, outs, strict=True):
+        leaves[i] = y
+    return tree_unflatten(leaves, spec)

@@ -342,6 +342,8 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
         if name.endswith("feed_forward.expert_bias") and hf_name(name) in files.where:
             buffer.copy_(files.slice(hf_name(name))[:].to(buffer.dtype))
     for name, param in model.named_parameters():  # a tied head appears once, as the embedding
+        if name.endswith((".lora_A", ".lora_B")):  # LoRA adapters: not the base's (models/peft_adapter.py)
+            continue
         if ".".join(name.split(".")[2:]) in _EXPERTS:
             _load_experts(files, name, param)
             continue

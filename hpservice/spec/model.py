@@ -34,6 +34,22 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, strict=True)
 
 
+class LoraSpec(_Section):
+    """Low-rank adapters in PEFT's vocabulary (``peft.LoraConfig``'s fields): the base weights
+    frozen, ``lora_A`` / ``lora_B`` trained beside each target linear layer (docs/lora.md)."""
+
+    r: int = Field(..., ge=1, le=4096, description="the adapters' rank (at most the adapted layer's width)")
+    lora_alpha: float = Field(..., gt=0, description="the update is scaled by lora_alpha / r (use_rslora: / sqrt(r))")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[Annotated[str, Field(max_length=64)]] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="PEFT's names of the layers to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj, lm_head; or ours: wq ... w3, output), or 'all-linear' (every linear layer but the head)",
+    )
+    use_rslora: bool = Field(False, description="rank-stabilised scaling: lora_alpha / sqrt(r)")
+    bias: Literal["none"] = Field("none", description="only 'none' (PEFT's default): biases stay frozen")
+
+
 class ModelSpec(_Section):
     name: str | None = Field(
         None,
@@ -58,6 +74,19 @@ class ModelSpec(_Section):
         "mistral, qwen3_moe or deepseek_v3: the model takes its family (model.name may be left out), its config, "
         "and starts from its weights (a fresh optimizer; resume_from continues a run of ours instead)",
     )
+    lora: LoraSpec | None = Field(None, description="train low-rank adapters instead of every weight (docs/lora.md)")
+    init_adapter: str | None = Field(
+        None,
+        max_length=_MAX_PATH,
+        description="model.lora: start from this PEFT adapter directory (adapter_config.json + "
+        "adapter_model.safetensors); its r, alpha and targets must be model.lora's",
+    )
+
+    @model_validator(mode="after")
+    def _adapter_needs_lora(self):
+        if self.init_adapter is not None and self.lora is None:
+            raise ValueError("model.init_adapter: needs model.lora (the adapter's r, lora_alpha and target_modules)")
+        return self
 
     @model_validator(mode="after")
     def _flavor_exists(self):

@@ -32,6 +32,10 @@ def init_weights(model: nn.Module, mesh: DeviceMesh, seed: int) -> None:
             model.init_weights()
         else:
             reset_parameters(model)
+        for module in model.modules():  # LoRA adapters (models/lora.py): PEFT's init, A Kaiming, B zero
+            reset_lora = getattr(module, "reset_lora_parameters", None)
+            if callable(reset_lora):
+                reset_lora()
     for module, name in plain:
         param = module._parameters[name]
         module.register_parameter(name, nn.Parameter(param.detach().to_local(), requires_grad=param.requires_grad))

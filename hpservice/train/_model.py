@@ -25,6 +25,7 @@ from hpservice.models import (
     resolve_name,
 )
 from hpservice.models.hf import load_hf_weights
+from hpservice.models.lora import LoRALinear, LoraSettings, apply_lora
 from hpservice.parallel import ParallelDims
 from hpservice.spec import JobSpec
 
@@ -59,16 +60,56 @@ def build_meta_model(spec: JobSpec, dims: ParallelDims) -> tuple[ModelSpec, nn.M
     bundle = MODEL_SPECS[name] if name in MODEL_SPECS else factory_model_spec(name, model)
     for convert in bundle.converters:
         convert(model)
+    adapted = _apply_lora(model, m.lora)
     for module in model.modules():  # a window that covers every sequence is no window: no mask to build
         if getattr(module, "sliding_window", None) is not None and module.sliding_window >= spec.data.seq_len:
             module.sliding_window = None
     frozen = set(freeze(model, spec.training.freeze))
+    if adapted:  # every weight but the adapters' stays as it is
+        frozen |= {n for n, _ in model.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}
     if dims.cp > 1 and "positions" not in inspect.signature(model.forward).parameters:
         raise TrainingError(
             "parallelism.cp > 1 needs a model whose forward takes positions= (the global position of each "
             "token of its part of the sequence), as the built-in llama's does"
         )
     return bundle, model, frozen
+
+
+def lora_settings(lora) -> LoraSettings:
+    """The spec's ``model.lora`` as the engine's settings."""
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+    return LoraSettings(lora.r, lora.lora_alpha, lora.lora_dropout, targets, lora.use_rslora)
+
+
+def _apply_lora(model: nn.Module, lora) -> list[str]:
+    if lora is None:
+        return []
+    try:
+        return apply_lora(model, lora_settings(lora))
+    except ValueError as e:
+        raise TrainingError(str(e)) from e
+
+
+@torch.no_grad()
+def _init_adapters(part: nn.Module, spec: JobSpec, mesh) -> None:
+    """A pretrained base's adapters: PEFT's init from the seed (sharding-independent streams, as
+    ``init_weights``), then ``model.init_adapter``'s values where one is given."""
+    from hpservice.dtensor import random as dtensor_random
+    from hpservice.models.peft_adapter import AdapterError, load_adapter
+
+    adapters = [(n, mod) for n, mod in part.named_modules() if isinstance(mod, LoRALinear)]
+    if not adapters:
+        return
+    dtensor_random.manual_seed(spec.training.seed)
+    named = [(f"{n}.{w}", getattr(mod, w)) for n, mod in adapters for w in ("lora_A", "lora_B")]
+    with dtensor_random.parameter_streams(named):
+        for _, mod in adapters:
+            mod.reset_lora_parameters()
+    if spec.model.init_adapter is not None:
+        try:
+            load_adapter(part, spec.model.init_adapter, whole=spec.parallelism.pp == 1)
+        except (AdapterError, OSError) as e:
+            raise TrainingError(f"model.init_adapter: {e}") from e
 
 
 def build_model_parts(
@@ -89,8 +130,11 @@ def build_model_parts(
         if spec.model.init_from is not None:  # pretrained weights: each rank reads its own slices
             part.init_buffers()
             load_hf_weights(part, spec.model.init_from)
+            _init_adapters(part, spec, dims.stage_mesh)
         else:
             init_weights(part, dims.stage_mesh, spec.training.seed)
+            if spec.model.init_adapter is not None:
+                _init_adapters(part, spec, dims.stage_mesh)
         for name, param in part.named_parameters():
             if name in frozen:
                 param.requires_grad_(False)
@@ -133,4 +177,10 @@ def describe_model(bundle: ModelSpec, whole: nn.Module, spec: JobSpec, device: t
         flops = flops_no_attention = 6 * num_params(whole)
     if spec.data.kind == "synthetic" and vocab is None:
         raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
+    if m.lora is not None:  # what a PEFT export writes: the settings and the adapted modules
+        adapted = [n for n, mod in whole.named_modules() if isinstance(mod, LoRALinear)]
+        record["lora"] = {**dataclasses.asdict(lora_settings(m.lora)), "modules": adapted, "base": m.init_from}
+        trainable = sum(p.numel() for n, p in whole.named_parameters() if n.endswith((".lora_A", ".lora_B")))
+        log.info("LoRA: %s trainable parameters of %s (%.2f%%)", f"{trainable:,}", f"{num_params(whole):,}",
+                 100 * trainable / max(num_params(whole), 1))  # fmt: skip
     return ModelFacts(record, vocab, Utilisation(device, spec.parallelism.mixed_precision, flops, flops_no_attention))

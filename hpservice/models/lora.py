@@ -1,0 +1,145 @@
+"""LoRA: low-rank adapters on a model's linear layers, in PEFT's vocabulary and layout.
+
+A target ``nn.Linear`` (``W``: ``[out, in]``) becomes a ``LoRALinear``: ``W`` (and its bias) frozen,
+two trained matrices beside it, PEFT's names and shapes::
+
+    y = x W^T + b + scaling * dropout(x) A^T B^T     A: lora_A [r, in], B: lora_B [out, r]
+    scaling = lora_alpha / r   (use_rslora: lora_alpha / sqrt(r))
+
+initialised as PEFT's default (``init_lora_weights=True``): A Kaiming-uniform (``a = sqrt(5)``), B
+zero, so a fresh adapter leaves the model's output unchanged. The module keeps the linear's name, so
+the base weight is still ``layers.0.attention.wq.weight``; the adapters are ``...wq.lora_A`` and
+``...wq.lora_B``, parameters of the same module (fully_shard shards them with their block).
+
+Target modules are named as PEFT names them for the Hugging Face model (``q_proj``, ``k_proj``,
+``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, ``lm_head``), or as our modules
+(``wq`` ... ``w3``, ``output``), or ``all-linear`` (PEFT's: every linear layer but the output head).
+
+An adapter goes in and out in PEFT's files: ``adapter_config.json`` and
+``adapter_model.safetensors`` with keys ``base_model.model.<the HF module>.lora_A.weight``. Where a
+family's query and key rows are stored interleaved here and half-split in Hugging Face's layout
+(``cfg.hf_rotate_half``), ``lora_B``'s rows of ``wq`` / ``wk`` are reordered as the weight's rows
+are, both ways; ``lora_A`` acts on the input and needs none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "LoRALinear",
+    "LoraSettings",
+    "apply_lora",
+    "lora_targets",
+    "peft_module_names",
+]
+
+# our module name (last part) -> PEFT's (the Hugging Face module's)
+_PEFT_NAMES = {
+    "wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+    "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "output": "lm_head",
+}  # fmt: skip
+_OURS = {v: k for k, v in _PEFT_NAMES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    r: int
+    lora_alpha: float
+    lora_dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = "all-linear"
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` whose weight (and bias) stays fixed, with a trained low-rank update."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, settings: LoraSettings, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.r, self.scaling = settings.r, settings.scaling
+        self.lora_A = nn.Parameter(torch.empty(settings.r, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(out_features, settings.r, device=device, dtype=dtype))
+        self.lora_dropout = nn.Dropout(settings.lora_dropout) if settings.lora_dropout > 0 else nn.Identity()
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, settings: LoraSettings) -> LoRALinear:
+        """The adapted layer, taking over ``linear``'s weight and bias tensors (nothing is copied);
+        off the meta device its adapters are initialised (``reset_lora_parameters``)."""
+        w = linear.weight
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, settings, device="meta", dtype=w.dtype)
+        out.weight = nn.Parameter(w.data, requires_grad=False)
+        if linear.bias is not None:
+            out.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        if w.device.type != "meta":
+            out.lora_A = nn.Parameter(torch.empty_like(out.lora_A, device=w.device))
+            out.lora_B = nn.Parameter(torch.empty_like(out.lora_B, device=w.device))
+            out.reset_lora_parameters()
+        return out
+
+    def reset_lora_parameters(self) -> None:
+        """PEFT's default init: A Kaiming-uniform (``a = sqrt(5)``, as ``nn.Linear``'s weight), B zero."""
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        return base + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
+
+
+def peft_module_names(model: nn.Module) -> dict[str, str]:
+    """Our linear layers that LoRA can target -> their PEFT (Hugging Face) names."""
+    out = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and last in _PEFT_NAMES:
+            out[name] = _PEFT_NAMES[last]
+    return out
+
+
+def lora_targets(model: nn.Module, target_modules) -> list[str]:
+    """The names of the modules ``target_modules`` selects; ``ValueError`` for a name that matches
+    no linear layer, listing the model's."""
+    linear = peft_module_names(model)
+    if target_modules == "all-linear":
+        return [n for n, peft in linear.items() if peft != "lm_head"]
+    wanted = set(target_modules)
+    known = set(linear.values()) | {_OURS[p] for p in linear.values()}
+    unknown = sorted(wanted - known)
+    if unknown:
+        raise ValueError(
+            f"model.lora.target_modules: {unknown} match no linear layer of this model; its linear layers: "
+            f"{', '.join(sorted(set(linear.values())))} (or our names {', '.join(sorted(_OURS[p] for p in set(linear.values())))}, "
+            "or 'all-linear')"
+        )
+    return [n for n, peft in linear.items() if peft in wanted or _OURS[peft] in wanted]
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """Replace each target linear layer of ``model`` by a ``LoRALinear``, in place; returns the
+    adapted modules' names. ``ValueError`` for a rank above a layer's width."""
+    names = lora_targets(model, settings.target_modules)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
+        if settings.r > min(linear.in_features, linear.out_features):
+            raise ValueError(
+                f"model.lora.r: {settings.r} is above {name}'s width ({linear.in_features} -> {linear.out_features})"
+            )
+        setattr(parent, child, LoRALinear.from_linear(linear, settings))
+    return names

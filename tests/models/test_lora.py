@@ -1,0 +1,203 @@
+"""LoRA against peft, the reference we did not write: a tiny Qwen3 and a tiny Llama saved by
+transformers, an adapter made by peft (random non-zero B) and imported with model.init_adapter.
+Logits equal peft's; 5 AdamW steps from it equal peft + transformers + torch.optim.AdamW in one
+process (losses and adapter weights to 1e-5, fp32), on 1 rank and on 2 with fully_shard and with
+pp 2; the base weights stay bit for bit; the PEFT export loads back into peft with our logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hpservice.spec import SpecError, parse_job
+
+STEPS = 5
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _hf_model(path, family):
+    import transformers
+
+    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[family]
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    torch.manual_seed(0)
+    cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+              tie_word_embeddings=False, **extra)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def _adapter(base, out, r=4, alpha=8.0, targets=TARGETS):
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    peft.get_peft_model(model, lora).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def checkpoint(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = _hf_model(tmp / "base", request.param)
+    return base, _adapter(base, tmp / "adapter")
+
+
+def _spec(tmp, base, adapter, parallelism=None, steps=STEPS, **model):
+    return parse_job({
+        "name": "lora",
+        "model": {"init_from": str(base), "lora": {"r": 4, "lora_alpha": 8.0, "target_modules": TARGETS},
+                  "init_adapter": str(adapter), **model},
+        "data": {"kind": "synthetic", "seq_len": 16, "global_batch": 4},
+        "training": {"steps": steps, "max_grad_norm": None},
+        "optimizer": {"lr": 2e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "eps": 1e-8},
+        "lr_scheduler": {"warmup_steps": 0, "decay": "constant"},
+        "parallelism": parallelism or {},
+        "metrics": {"dir": str(tmp)},
+        "checkpoint": {"dir": str(tmp / "ckpt"), "interval": steps},
+    })  # fmt: skip
+
+
+def _train(spec):
+    """Per-step losses and batches, the final weights (whole tensors), and logits of batch 0 before training."""
+    from hpservice.dtensor import DTensor
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    batches = [trainer.data(s) for s in range(spec.training.steps)]
+    records = trainer.train()
+    weights = {}
+    for part in trainer.model_parts:
+        for k, v in part.state_dict().items():
+            weights[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    return [r["loss"] for r in records], [(b.inputs.cpu(), b.labels.cpu()) for b in batches], weights
+
+
+def _peft_reference(base, adapter, batches):
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)  # fmt: skip
+    losses = []
+    for inputs, labels in batches:
+        logits = model(input_ids=inputs).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def _ours_as_peft(weights, base):
+    """Our final adapter weights under PEFT's keys (the export's mapping)."""
+    from hpservice.models.hf import config_from_hf
+    from hpservice.models.peft_adapter import peft_tensors
+
+    cfg = config_from_hf(base)
+    out = {}
+    for k, v in weights.items():
+        if k.endswith((".lora_A", ".lora_B")):
+            module, which = k.rsplit(".", 1)
+            out.update(peft_tensors(module, which, v, cfg))
+    return out
+
+
+def test_logits_with_an_imported_peft_adapter_equal_peft(checkpoint):
+    import peft
+    import transformers
+
+    from hpservice.models import build_model
+    from hpservice.models.hf import load_hf_weights
+    from hpservice.models.lora import LoraSettings, apply_lora
+    from hpservice.models.peft_adapter import load_adapter
+
+    base, adapter = checkpoint
+    ours = build_model(None, device="cpu", init_from=str(base))
+    apply_lora(ours, LoraSettings(4, 8.0, 0.0, tuple(TARGETS)))
+    load_hf_weights(ours, base)
+    assert load_adapter(ours, adapter) == 2 * 7 * 2  # A and B of 7 layers in 2 blocks
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base)(tokens).logits
+        want = theirs(tokens).logits
+        got = ours(tokens)
+    assert (want - plain).abs().max() > 1e-2  # the adapter changes the output
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("world", "parallelism"), [(1, {}), (2, {"dp_shard": 2}), (2, {"pp": 2})], ids=["one", "fsdp2", "pp2"])
+def test_training_an_adapter_equals_peft_and_adamw_in_one_process(ranks, tmp_path, checkpoint, world, parallelism):
+    base, adapter = checkpoint
+    outs = ranks(world).run(_train, _spec(tmp_path, base, adapter, parallelism))
+    losses = outs[-1][0]  # the last pp stage reports the loss
+    if parallelism.get("dp_shard", 1) > 1:  # the global batch: the data-parallel ranks' rows
+        batches = [tuple(torch.cat([o[1][s][i] for o in outs]) for i in range(2)) for s in range(STEPS)]
+    else:
+        batches = outs[0][1]
+    weights = {k: v for o in outs for k, v in o[2].items()}
+    want_losses, want_adapter = _peft_reference(base, adapter, batches)
+    assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
+    got = _ours_as_peft(weights, base)
+    assert {k.replace(".default", "") for k in want_adapter} == set(got)
+    for k, v in want_adapter.items():
+        assert (got[k.replace(".default", "")] - v).abs().max().item() < 1e-5, (k, (got[k.replace(".default", "")] - v).abs().max().item())
+    from safetensors.torch import load_file
+
+    hf_base = load_file(str(next(base.glob("*.safetensors"))))
+    from hpservice.models.hf import config_from_hf, hf_tensors
+
+    cfg = config_from_hf(base)
+    for k, v in weights.items():  # the base stays bit for bit
+        if not k.endswith((".lora_A", ".lora_B")):
+            for hk, hv in hf_tensors(k, v, cfg).items():
+                assert torch.equal(hv, hf_base[hk]), hk
+
+
+def test_the_peft_export_loads_into_peft_with_our_logits(ranks, tmp_path, checkpoint):
+    import peft
+    import transformers
+
+    from hpservice.cli import main
+
+    base, adapter = checkpoint
+    spec = _spec(tmp_path, base, adapter, steps=2)
+    ranks(1).run(_train, spec)
+    step = sorted((tmp_path / "ckpt").glob("step-*"))[-1]
+    assert main(["export", "--format", "peft", str(step), str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, sorted(TARGETS))
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "out").eval()
+    assert main(["export", "--format", "hf", str(step), str(tmp_path / "merged")]) == 0  # merged in fp32
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("lora", "field"),
+    [
+        ({"r": 0, "lora_alpha": 8}, "model.lora.r"),
+        ({"r": 4, "lora_alpha": 0}, "model.lora.lora_alpha"),
+        ({"r": 4, "lora_alpha": 8, "bias": "all"}, "model.lora.bias"),
+    ],
+)
+def test_bad_lora_settings_are_refused_naming_the_field(lora, field):
+    with pytest.raises(SpecError) as e:
+        parse_job({"name": "x", "model": {"name": "llama", "lora": lora}})
+    assert any(path == field for path, _ in e.value.errors), e.value.errors
+
+
+def test_lora_with_tensor_parallelism_is_refused_until_built():
+    with pytest.raises(SpecError, match=r"parallelism\.tp"):
+        parse_job({"name": "x", "model": {"name": "llama", "lora": {"r": 4, "lora_alpha": 8}}, "parallelism": {"tp": 2}})
