@@ -26,12 +26,13 @@ def add_parsers(sub) -> None:
         help="write a sharded checkpoint's full model weights: one .safetensors file, or a Hugging Face directory",
     )
     export.add_argument("checkpoint", help="a committed checkpoint directory (step-N)")
-    export.add_argument("out", help="output .safetensors path, or directory with --format hf")
+    export.add_argument("out", help="output .safetensors path, or directory with --format hf / peft")
     export.add_argument(
         "--format",
-        choices=("safetensors", "hf"),
+        choices=("safetensors", "hf", "peft"),
         default="safetensors",
-        help="hf: config.json + sharded safetensors + index, for transformers' from_pretrained (llama)",
+        help="hf: config.json + sharded safetensors + index, for transformers' from_pretrained (a LoRA run's "
+        "adapters merged in, in fp32); peft: a LoRA run's adapter, for peft.PeftModel.from_pretrained",
     )
     export.add_argument("--max-shard-mb", type=int, default=2048, help="hf: largest safetensors file (MiB)")
     prep = sub.add_parser(
@@ -138,6 +139,12 @@ def _export(args) -> int:
         if args.format == "hf":
             done = export_checkpoint_hf(args.checkpoint, args.out, max_shard_bytes=args.max_shard_mb << 20)
             print(f"wrote {done['tensors']} tensors in {len(done['files'])} files and config.json to {args.out}")
+            return ExitCode.OK
+        if args.format == "peft":
+            from hpservice.models.hf import export_checkpoint_peft
+
+            done = export_checkpoint_peft(args.checkpoint, args.out)
+            print(f"wrote a PEFT adapter ({done['tensors']} tensors) to {args.out}")
             return ExitCode.OK
         shapes = export_safetensors(args.checkpoint, args.out)
     except (CheckpointError, HFFormatError, FileNotFoundError) as e:

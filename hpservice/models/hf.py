@@ -27,6 +27,7 @@ are read head by head, from the heads the local rows touch, and reordered.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -446,6 +447,7 @@ def export_hf(
     max_shard_bytes: int = 2 << 30,
     text: dict | None = None,
     family: str = "llama",
+    lora: dict | None = None,
 ) -> dict:
     """Write a committed checkpoint of our ``family`` model (``FAMILIES``) as a Hugging Face checkpoint directory:
     ``config.json``, ``model-0000x-of-0000y.safetensors`` and their index, loadable by
@@ -460,11 +462,18 @@ def export_hf(
     checkpoint, out = Path(checkpoint), Path(out)
     _check_family(cfg, family)
     with CheckpointReader(checkpoint).opened() as (reader, _, _):
-        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes, text, family)
+        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes, text, family, lora)
 
 
 def _export_hf(
-    checkpoint: Path, reader, out: Path, cfg: LlamaConfig, max_shard_bytes: int, text: dict | None, family: str
+    checkpoint: Path,
+    reader,
+    out: Path,
+    cfg: LlamaConfig,
+    max_shard_bytes: int,
+    text: dict | None,
+    family: str,
+    lora: dict | None = None,
 ) -> dict:
     import shutil
 
@@ -497,7 +506,7 @@ def _export_hf(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))  # this export's own
     try:
-        files = _write_shards(reader, tmp, groups, ours, cfg)
+        files = _write_shards(reader, tmp, groups, ours, cfg, lora)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -541,15 +550,27 @@ def _replace_dir(new: Path, out: Path) -> None:
     raise OSError(f"{out}: could not be replaced (other exports of it kept replacing it)")
 
 
-def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig) -> list:
-    """One safetensors file per group of tensors, read from the checkpoint group by group."""
+def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig, lora: dict | None = None) -> list:
+    """One safetensors file per group of tensors, read from the checkpoint group by group; with
+    ``lora`` (the run's LoRA record) each adapted weight gets its update merged in, in fp32, as
+    PEFT's ``merge_and_unload``: ``W + scaling * B @ A``."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+    adapted = set(lora["modules"]) if lora else set()
     files = []
     for i, group in enumerate(groups, start=1):
         targets = {n: torch.empty(tuple(ours[n].size), dtype=ours[n].properties.dtype) for n in group}
+        merged = [n for n in group if n.endswith(".weight") and n.removesuffix(".weight") in adapted]
+        for n in merged:
+            for which in ("lora_A", "lora_B"):
+                key = f"{n.removesuffix('.weight')}.{which}"
+                targets[key] = torch.empty(tuple(ours[key].size), dtype=ours[key].properties.dtype)
         dcp_load({"model": targets}, reader, tmp, planner=DefaultLoadPlanner(allow_partial_load=True))
+        for n in merged:
+            module = n.removesuffix(".weight")
+            a, b = targets.pop(f"{module}.lora_A").float(), targets.pop(f"{module}.lora_B").float()
+            targets[n] = (targets[n].float() + lora["scaling"] * (b @ a)).to(targets[n].dtype)
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         tensors = {k: v for n, t in targets.items() for k, v in hf_tensors(n, t, cfg).items()}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
@@ -570,9 +591,49 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
             "written before hpservice recorded it); Hugging Face export covers those built-in models"
         )
     cfg = config_class(recorded["name"])(**recorded["config"])
+    lora = recorded.get("lora")  # a LoRA run: its adapters merged into the weights (merge_and_unload)
+    if lora is not None:
+        from .lora import LoraSettings
+
+        fields = {f.name for f in dataclasses.fields(LoraSettings)}
+        lora = {**lora, "scaling": LoraSettings(**{k: v for k, v in lora.items() if k in fields}).scaling}
     return export_hf(
-        checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"), family=recorded["name"]
+        checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"), family=recorded["name"], lora=lora
     )
+
+
+def export_checkpoint_peft(checkpoint: str | Path, out: str | Path) -> dict:
+    """The LoRA adapters of a committed checkpoint as a PEFT adapter directory
+    (``adapter_config.json``, ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained``
+    loads onto the Hugging Face base."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from .lora import LoraSettings
+    from .peft_adapter import adapter_config, peft_tensors, write_adapter
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    recorded = CheckpointReader(checkpoint).extra(0).get("model") or {}
+    lora = recorded.get("lora")
+    if lora is None or recorded.get("name") not in FAMILIES or not recorded.get("config"):
+        raise HFFormatError(f"{checkpoint}: not a checkpoint of a LoRA run (model.lora) of a built-in family")
+    cfg = config_class(recorded["name"])(**recorded["config"])
+    fields = {f.name for f in dataclasses.fields(LoraSettings)}
+    settings = LoraSettings(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in lora.items() if k in fields})
+    with CheckpointReader(checkpoint).opened() as (reader, _, _):
+        metadata = reader.read_metadata()
+        names = {metadata.planner_data[k][1]: md for k, md in metadata.state_dict_metadata.items()
+                 if metadata.planner_data[k][0] == "model" and metadata.planner_data[k][1].endswith((".lora_A", ".lora_B"))}  # fmt: skip
+        targets = {n: torch.empty(tuple(md.size), dtype=md.properties.dtype) for n, md in names.items()}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+        dcp_load({"model": targets}, reader, tmp, planner=DefaultLoadPlanner(allow_partial_load=True))
+    tensors = {}
+    for n, value in targets.items():
+        module, which = n.rsplit(".", 1)
+        tensors.update(peft_tensors(module, which, value, cfg))
+    files = write_adapter(tmp, tensors, adapter_config(settings, lora["modules"], lora.get("base")))
+    _replace_dir(tmp, out)
+    return {"files": files, "tensors": len(tensors)}
 
 
 def _exported(model: Llama, family: str) -> list[tuple[str, torch.Tensor]]:
