@@ -91,6 +91,9 @@ def admit(spec: JobSpec, principal: Principal, job_id: str, settings: Settings) 
     if model.init_from is not None:  # a pretrained checkpoint: an input like resume_from
         checked_init = _checkpoint_input(model.init_from, principal, home, settings, errors, "model.init_from")
         model = model.model_copy(update={"init_from": checked_init})
+    if model.init_adapter is not None:  # a PEFT adapter: the owner's job output or a data root's
+        checked = _checkpoint_input(model.init_adapter, principal, home, settings, errors, "model.init_adapter")
+        model = model.model_copy(update={"init_adapter": checked})
     resume = spec.checkpoint.resume_from
     if resume not in (None, "latest"):
         resume = _checkpoint_input(resume, principal, home, settings, errors, "checkpoint.resume_from")

@@ -247,6 +247,8 @@ def input_files(spec: JobSpec) -> list[tuple[str, str, str]]:
             found.append((f"{prefix}.tokenizer", data.tokenizer, "file"))
     if spec.model.init_from is not None:
         found.append(("model.init_from", spec.model.init_from, "dir"))
+    if spec.model.init_adapter is not None:
+        found.append(("model.init_adapter", spec.model.init_adapter, "dir"))
     resume = spec.checkpoint.resume_from
     if resume not in (None, "latest") and "://" not in resume:
         found.append(("checkpoint.resume_from", resume, "dir"))
@@ -267,6 +269,8 @@ def check_inputs(spec: JobSpec, visible: Callable[[Path], bool] = lambda p: True
             errors.append((field, f"{raw}: no such {what}" if not path.exists() else f"{raw}: not a directory"))
         elif field == "model.init_from":
             errors += _init_from_errors(spec, raw, path)
+        elif field == "model.init_adapter":
+            errors += _adapter_errors(spec, raw, path)
     for prefix, data in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
         if data is not None and data.kind == "chat":
             errors += _chat_errors(prefix, data, spec.model.init_from, visible)
@@ -338,6 +342,28 @@ def _chat_sample_errors(field: str, f: str, d) -> Errors:
     return [] if seen else [(field, f"{f}: no records")]
 
 
+def _adapter_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
+    """A PEFT adapter directory whose settings are model.lora's (the tensors are checked against
+    the model's layers when they are loaded)."""
+    from hpservice.inputs import InputError
+    from hpservice.models.peft_adapter import AdapterError, read_adapter_config
+
+    try:
+        cfg = read_adapter_config(path)
+    except InputError:
+        return [("model.init_adapter", f"{raw}: resolves outside the allowed roots")]
+    except (AdapterError, OSError, ValueError) as e:
+        return [("model.init_adapter", str(e))]
+    lora, errors = spec.model.lora, []
+    for key in ("r", "lora_alpha", "use_rslora"):
+        theirs = cfg.get(key, False if key == "use_rslora" else None)
+        if theirs != getattr(lora, key):
+            errors.append((f"model.lora.{key}", f"{getattr(lora, key)!r}, but the adapter at {raw} has {theirs!r}"))
+    if not (path / "adapter_model.safetensors").is_file():
+        errors.append(("model.init_adapter", f"{raw}: no adapter_model.safetensors (adapter_model.bin, a pickle, is never read)"))
+    return errors
+
+
 def _init_from_errors(spec: JobSpec, raw: str, path: Path) -> Errors:
     """The checkpoint has a config.json of a family we import, the one model.name names, with
     settings we compute exactly (``hf.config_from_hf``)."""
@@ -372,6 +398,8 @@ def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
     errors: Errors = list(refusals("model", spec, cfg))
     if cfg is None:
         return errors
+    if spec.model.lora is not None:
+        errors += _lora_errors(spec, cfg)
     max_len = getattr(cfg, "max_seq_len", None)
     for where, d in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
         if d is not None and max_len is not None and d.seq_len > max_len:
@@ -381,6 +409,28 @@ def check_composition(spec: JobSpec, *, read_files: bool = True) -> Errors:
                 f"{max_len}",
             ))  # fmt: skip
     return errors
+
+
+def _lora_errors(spec: JobSpec, cfg) -> Errors:
+    """model.lora's targets name linear layers of the model and its rank fits them: checked on a
+    meta-device model of a few blocks (every block has the same layers)."""
+    import dataclasses
+
+    import torch
+
+    from hpservice.models import model_class, resolve_name
+    from hpservice.models.lora import apply_lora
+    from hpservice.train._model import lora_settings
+
+    few = dataclasses.replace(cfg, n_layers=min(cfg.n_layers, 4)) if hasattr(cfg, "n_layers") else cfg
+    try:
+        with torch.device("meta"):
+            model = model_class(resolve_name(spec.model.name, spec.model.init_from))(few)
+        apply_lora(model, lora_settings(spec.model.lora))
+    except ValueError as e:
+        field, _, message = str(e).partition(": ")
+        return [(field if field.startswith("model.lora") else "model.lora", message or str(e))]
+    return []
 
 
 def _max_len_field(spec: JobSpec) -> str:

@@ -201,3 +201,24 @@ def test_bad_lora_settings_are_refused_naming_the_field(lora, field):
 def test_lora_with_tensor_parallelism_is_refused_until_built():
     with pytest.raises(SpecError, match=r"parallelism\.tp"):
         parse_job({"name": "x", "model": {"name": "llama", "lora": {"r": 4, "lora_alpha": 8}}, "parallelism": {"tp": 2}})
+
+
+def test_what_is_knowable_before_start_is_refused_naming_the_field_and_value(tmp_path, checkpoint):
+    from hpservice.preflight import check_composition, check_inputs
+
+    base, adapter = checkpoint
+
+    def errors(lora, **model):
+        spec = parse_job({"name": "x", "model": {"init_from": str(base), "lora": lora, **model}})
+        return dict(check_composition(spec) + check_inputs(spec))
+
+    assert "match no linear layer" in errors({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "qkv"]})["model.lora.target_modules"]
+    assert "is above layers.0.attention.wq's width" in errors({"r": 1000, "lora_alpha": 8})["model.lora.r"]
+    mismatch = errors({"r": 8, "lora_alpha": 8.0, "target_modules": TARGETS}, init_adapter=str(adapter))
+    assert mismatch == {"model.lora.r": f"8, but the adapter at {adapter} has 4"}
+    pickled = tmp_path / "pickled"  # an adapter saved as adapter_model.bin (a pickle) is never read
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    (pickled / "adapter_model.bin").write_bytes(b"\x80\x04not read")
+    bad = errors({"r": 4, "lora_alpha": 8.0, "target_modules": TARGETS}, init_adapter=str(pickled))
+    assert "adapter_model.bin, a pickle, is never read" in bad["model.init_adapter"]
