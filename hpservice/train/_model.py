@@ -179,8 +179,7 @@ def describe_model(bundle: ModelSpec, whole: nn.Module, spec: JobSpec, device: t
         raise TrainingError("data.vocab_size is required with a custom model on synthetic data")
     if m.lora is not None:  # what a PEFT export writes: the settings and the adapted modules
         adapted = [n for n, mod in whole.named_modules() if isinstance(mod, LoRALinear)]
-        record["lora"] = {**dataclasses.asdict(lora_settings(m.lora)), "modules": adapted, "base": m.init_from}
         trainable = sum(p.numel() for n, p in whole.named_parameters() if n.endswith((".lora_A", ".lora_B")))
-        log.info("LoRA: %s trainable parameters of %s (%.2f%%)", f"{trainable:,}", f"{num_params(whole):,}",
-                 100 * trainable / max(num_params(whole), 1))  # fmt: skip
+        record["lora"] = {**dataclasses.asdict(lora_settings(m.lora)), "modules": adapted, "base": m.init_from,
+                          "trainable": trainable, "total": num_params(whole)}  # fmt: skip
     return ModelFacts(record, vocab, Utilisation(device, spec.parallelism.mixed_precision, flops, flops_no_attention))

@@ -126,6 +126,10 @@ class Trainer:
         self.reporter = Reporter(
             spec, self.rank, self.output_dir, on_metrics=on_metrics, log_fn=log_fn, log_to_stdout=log_to_stdout
         )
+        if self.rank == 0 and (lora := self.model_record.get("lora")) is not None:
+            share = lora["trainable"] / max(lora["total"], 1)
+            self.reporter.line(f"[{spec.name}] LoRA r={lora['r']} on {len(lora['modules'])} layers: "
+                               f"{lora['trainable']:,} trainable parameters of {lora['total']:,} ({share:.2%})")  # fmt: skip
         if self.rank == 0 and (described := getattr(self.data.source, "describe", None)) is not None:
             self.reporter.line(f"[{spec.name}] data: {described()}")  # what encoding kept, dropped, cut
         self.checkpoints = self._build_checkpoints(on_checkpoint)
