@@ -222,3 +222,19 @@ def test_what_is_knowable_before_start_is_refused_naming_the_field_and_value(tmp
     (pickled / "adapter_model.bin").write_bytes(b"\x80\x04not read")
     bad = errors({"r": 4, "lora_alpha": 8.0, "target_modules": TARGETS}, init_adapter=str(pickled))
     assert "adapter_model.bin, a pickle, is never read" in bad["model.init_adapter"]
+
+
+def _first_lines(spec):
+    from hpservice.train import Trainer
+
+    lines: list[str] = []
+    Trainer(spec, log_fn=lines.append, log_to_stdout=False).close()
+    return lines
+
+
+def test_the_job_log_says_how_many_parameters_train(ranks, tmp_path):
+    # a fresh adapter on a seeded model (no init_from): PEFT's init, the count in the first lines
+    spec = parse_job({"name": "l", "model": {"name": "llama", "flavor": "tiny", "lora": {"r": 4, "lora_alpha": 8}},
+                      "metrics": {"dir": str(tmp_path)}})  # fmt: skip
+    lines = ranks(1).run(_first_lines, spec)[0]
+    assert any("LoRA r=4 on 14 layers:" in line and "trainable parameters of" in line for line in lines), lines
