@@ -220,8 +220,10 @@ class DataSpec(_Section):
     def _chat_fields(self):
         chat_only = ("sources", "format", "fields", "chat_template", "train_on", "train_eos", "packing", "truncation", "on_bad_record")
         if self.kind != "chat":
-            for name in chat_only:
-                if name in self.model_fields_set:
+            for name in chat_only:  # a default value is no setting (a dumped spec carries every field)
+                field = type(self).model_fields[name]
+                default = field.default_factory() if field.default_factory is not None else field.default
+                if getattr(self, name) != default:
                     raise ValueError(f"data.{name} applies to kind 'chat', not {self.kind!r}")
             return self
         if bool(self.path) == bool(self.sources):
