@@ -13,7 +13,8 @@ the base weight is still ``layers.0.attention.wq.weight``; the adapters are ``..
 
 Target modules are named as PEFT names them for the Hugging Face model (``q_proj``, ``k_proj``,
 ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, ``lm_head``), or as our modules
-(``wq`` ... ``w3``, ``output``), or ``all-linear`` (PEFT's: every linear layer but the output head).
+(``wq`` ... ``w3``, ``output``), or ``all-linear`` (PEFT's: every linear layer but the output head;
+refused on a model with routed experts, where PEFT's would adapt the router and experts too).
 
 An adapter goes in and out in PEFT's files: ``adapter_config.json`` and
 ``adapter_model.safetensors`` with keys ``base_model.model.<the HF module>.lora_A.weight``. Where a
@@ -116,6 +117,16 @@ def lora_targets(model: nn.Module, target_modules) -> list[str]:
     no linear layer, listing the model's."""
     linear = peft_module_names(model)
     if target_modules == "all-linear":
+        from .moe import GroupedExperts
+
+        if any(isinstance(m, GroupedExperts) for m in model.modules()):
+            # PEFT's all-linear on a Hugging Face MoE also adapts the router and the routed experts
+            # (target_parameters): not built here, so the name would train something else.
+            raise ValueError(
+                "model.lora.target_modules: 'all-linear' on a model with routed experts would adapt the router "
+                "and the experts too, as PEFT does; adapters on those are not built yet. Name the layers to "
+                f"adapt instead (attention, dense and shared-expert MLPs): {', '.join(sorted(set(linear.values()) - {'lm_head'}))}"
+            )
         return [n for n, peft in linear.items() if peft != "lm_head"]
     wanted = set(target_modules)
     known = set(linear.values()) | {_OURS[p] for p in linear.values()}

@@ -17,6 +17,13 @@ backward builds only the local rows of its gradient. With ``use_local_output=Tru
 the local ``torch.Tensor``, so plain modules (an activation) can sit between a colwise and a
 rowwise layer.
 
+A LoRA layer (``hpservice.models.lora.LoRALinear``: ``lora_A [r, in]``, ``lora_B [out, r]``) has
+its adapters placed to match its base weight, so the forward needs no collective beyond the base
+layer's: colwise, ``lora_A`` ``Replicate`` and ``lora_B`` ``Shard(0)`` (the update comes out
+``Shard(-1)`` like the base output); rowwise, ``lora_A`` ``Shard(1)`` and ``lora_B`` ``Replicate``
+(the update is Partial and rides the base product's one reduction). In the backward the ``r``-wide
+partial product's gradient is all-reduced (``[tokens, r]`` or ``[r, in]``, small beside the base).
+
 Both accept ``input_layouts`` (the layout of a plain-tensor input; a DTensor input is taken as it
 is) and ``output_layouts`` (what the output is redistributed to) as in torch: e.g.
 ``ColwiseParallel(input_layouts=Shard(1))`` all-gathers a sequence-sharded input,
@@ -130,6 +137,9 @@ class _LinearStyle(ParallelStyle):
     _default_output: Placement
     # nn.Embedding: weight placement, desired and default input (the ids are replicated).
     _embedding_weight: Placement
+    # A LoRA layer's adapters (lora_A [r, in], lora_B [out, r]), placed to match the weight.
+    _lora_A: Placement
+    _lora_B: Placement
 
     def __init__(
         self,
@@ -160,6 +170,8 @@ class _LinearStyle(ParallelStyle):
             desired, default_input = self._desired_input, self._default_input
             _distribute_param(module, "weight", device_mesh, self._weight)
             _distribute_param(module, "bias", device_mesh, self._bias)
+            _distribute_param(module, "lora_A", device_mesh, self._lora_A)
+            _distribute_param(module, "lora_B", device_mesh, self._lora_B)
         elif isinstance(module, nn.Embedding):
             if module.max_norm is not None or module.sparse:
                 raise NotImplementedError(f"{type(self).__name__}: nn.Embedding with max_norm or sparse=True")
@@ -245,6 +257,8 @@ class ColwiseParallel(_LinearStyle):
     _default_input = Replicate()
     _default_output = Shard(-1)
     _embedding_weight = Shard(1)
+    _lora_A = Replicate()
+    _lora_B = Shard(0)
 
 
 class RowwiseParallel(_LinearStyle):
@@ -257,6 +271,8 @@ class RowwiseParallel(_LinearStyle):
     _default_input = Shard(-1)
     _default_output = Replicate()
     _embedding_weight = Shard(0)
+    _lora_A = Shard(1)
+    _lora_B = Replicate()
 
 
 # ---- sequence parallelism -------------------------------------------------------------------------

@@ -73,13 +73,6 @@ def _compiled_document_masks(spec, _) -> list[str]:
     return ["training.compile"] if packed else []
 
 
-def _lora_layouts(spec, _) -> list[str]:
-    if spec.model.lora is None:
-        return []
-    p = spec.parallelism
-    return [f"parallelism.{k}" for k in ("tp", "ep") if getattr(p, k, 1) > 1]
-
-
 def _synthetic_without_vocab(spec, _) -> list[str]:
     if spec.model.name is None or ":" not in spec.model.name:
         return []
@@ -133,14 +126,6 @@ COMPOSITIONS: tuple[Composition, ...] = (
         message="torch.compile does not trace the one-rank document-masked attention yet (it fails at the first "
         "step); use compile: false, packing: none (chat data), or cp > 1, where it runs",
         fields=_compiled_document_masks,
-    ),
-    Composition(
-        id="lora_with_tp_or_ep",
-        scope="job",
-        combination="`model.lora` with `tp > 1` or `ep > 1`",
-        message="LoRA adapters placed to match tensor-parallel or expert-parallel layers are not built yet; use "
-        "model.lora with dp / fully_shard / HSDP, pp or cp",
-        fields=_lora_layouts,
     ),
     Composition(
         id="factory_synthetic_vocab",

@@ -48,13 +48,13 @@ def checkpoint(request, tmp_path_factory):
     return base, _adapter(base, tmp / "adapter")
 
 
-def _spec(tmp, base, adapter, parallelism=None, steps=STEPS, **model):
+def _spec(tmp, base, adapter, parallelism=None, steps=STEPS, training=None, **model):
     return parse_job({
         "name": "lora",
         "model": {"init_from": str(base), "lora": {"r": 4, "lora_alpha": 8.0, "target_modules": TARGETS},
                   "init_adapter": str(adapter), **model},
         "data": {"kind": "synthetic", "seq_len": 16, "global_batch": 4},
-        "training": {"steps": steps, "max_grad_norm": None},
+        "training": {"steps": steps, "max_grad_norm": None, **(training or {})},
         "optimizer": {"lr": 2e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "eps": 1e-8},
         "lr_scheduler": {"warmup_steps": 0, "decay": "constant"},
         "parallelism": parallelism or {},
@@ -71,11 +71,13 @@ def _train(spec):
     trainer = Trainer(spec, log_to_stdout=False)
     batches = [trainer.data(s) for s in range(spec.training.steps)]
     records = trainer.train()
-    weights = {}
+    weights, layouts = {}, {}
     for part in trainer.model_parts:
         for k, v in part.state_dict().items():
             weights[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-    return [r["loss"] for r in records], [(b.inputs.cpu(), b.labels.cpu()) for b in batches], weights
+            if isinstance(v, DTensor):
+                layouts[k] = tuple(v.placements)
+    return [r["loss"] for r in records], [(b.inputs.cpu(), b.labels.cpu()) for b in batches], weights, layouts
 
 
 def _peft_reference(base, adapter, batches):
@@ -135,16 +137,29 @@ def test_logits_with_an_imported_peft_adapter_equal_peft(checkpoint):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("world", "parallelism"), [(1, {}), (2, {"dp_shard": 2}), (2, {"pp": 2})], ids=["one", "fsdp2", "pp2"])
+@pytest.mark.parametrize(("world", "parallelism"), [(1, {}), (2, {"dp_shard": 2}), (2, {"tp": 2}), (2, {"pp": 2}), (4, {"dp_shard": 2, "tp": 2}),
+                          (2, {"dp_shard": 2, "training": {"activation_checkpointing": "full"}})],
+                         ids=["one", "fsdp2", "tp2", "pp2", "fsdp2-tp2", "fsdp2-ac"])
 def test_training_an_adapter_equals_peft_and_adamw_in_one_process(ranks, tmp_path, checkpoint, world, parallelism):
     base, adapter = checkpoint
-    outs = ranks(world).run(_train, _spec(tmp_path, base, adapter, parallelism))
+    parallelism = dict(parallelism)
+    training = parallelism.pop("training", None)
+    outs = ranks(world).run(_train, _spec(tmp_path, base, adapter, parallelism, training=training))
     losses = outs[-1][0]  # the last pp stage reports the loss
     if parallelism.get("dp_shard", 1) > 1:  # the global batch: the data-parallel ranks' rows
-        batches = [tuple(torch.cat([o[1][s][i] for o in outs]) for i in range(2)) for s in range(STEPS)]
+        dp_ranks = outs[:: parallelism.get("tp", 1)]
+        batches = [tuple(torch.cat([o[1][s][i] for o in dp_ranks]) for i in range(2)) for s in range(STEPS)]
     else:
         batches = outs[0][1]
     weights = {k: v for o in outs for k, v in o[2].items()}
+    if parallelism.get("tp", 1) > 1:  # adapters placed as their base layer: colwise wq, rowwise wo
+        from hpservice.dtensor import Replicate, Shard
+
+        layouts = outs[0][3]
+        tp = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]: v[-1] for k, v in layouts.items()}  # the tp dim's
+        assert (tp["wq.lora_A"], tp["wq.lora_B"], tp["wo.lora_A"], tp["wo.lora_B"]) == (
+            Replicate(), Shard(0), Shard(1), Replicate()
+        )
     want_losses, want_adapter = _peft_reference(base, adapter, batches)
     assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
     got = _ours_as_peft(weights, base)
@@ -198,9 +213,39 @@ def test_bad_lora_settings_are_refused_naming_the_field(lora, field):
     assert any(path == field for path, _ in e.value.errors), e.value.errors
 
 
-def test_lora_with_tensor_parallelism_is_refused_until_built():
-    with pytest.raises(SpecError, match=r"parallelism\.tp"):
-        parse_job({"name": "x", "model": {"name": "llama", "lora": {"r": 4, "lora_alpha": 8}}, "parallelism": {"tp": 2}})
+def _moe_spec(tmp, parallelism, targets):
+    return parse_job({
+        "name": "moe-lora",
+        "model": {"name": "qwen3_moe", "flavor": "tiny", "lora": {"r": 4, "lora_alpha": 8, "target_modules": targets}},
+        "data": {"kind": "synthetic", "seq_len": 16, "global_batch": 4},
+        "training": {"steps": 3, "max_grad_norm": None},
+        "parallelism": parallelism,
+        "metrics": {"dir": str(tmp)},
+    })  # fmt: skip
+
+
+def _moe_train(spec):
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    records = trainer.train()
+    trained = sorted(n for p in trainer.model_parts for n, q in p.named_parameters() if q.requires_grad)
+    return [r["loss"] for r in records], trained
+
+
+def test_adapters_on_the_dense_layers_of_an_expert_parallel_model_train_like_one_process(ranks, tmp_path):
+    """ep 2: adapters on attention and the dense MLPs; the routed experts and the router stay frozen.
+    PEFT's all-linear would adapt those too, so on a model with routed experts it is refused."""
+    from hpservice.preflight import check_composition
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    want, trained = ranks(1).run(_moe_train, _moe_spec(tmp_path / "one", {}, targets))[0]
+    got, trained_ep = ranks(2).run(_moe_train, _moe_spec(tmp_path / "ep", {"dp_shard": 2, "ep": 2}, targets))[0]
+    assert trained == trained_ep and all(n.endswith((".lora_A", ".lora_B")) for n in trained)
+    assert not any("experts." in n or "router" in n for n in trained)
+    assert got == pytest.approx(want, abs=1e-5)
+    refused = dict(check_composition(_moe_spec(tmp_path, {"dp_shard": 2, "ep": 2}, "all-linear")))
+    assert "routed experts" in refused["model.lora.target_modules"]
 
 
 def test_what_is_knowable_before_start_is_refused_naming_the_field_and_value(tmp_path, checkpoint):
