@@ -345,15 +345,21 @@ async def export_checkpoint(
     step: int,
     job: JobRecord = Depends(visible_job),
     settings: Settings = Depends(get_settings),
-    format: str = Query("hf", pattern="^hf$", description="hf: config.json + sharded safetensors + index"),
+    format: str = Query(
+        "hf",
+        pattern="^(hf|peft)$",
+        description="hf: config.json + sharded safetensors + index (a LoRA run's adapters merged in); peft: a LoRA "
+        "run's adapter (adapter_config.json + adapter_model.safetensors)",
+    ),
 ):
-    """Export one of the job's committed checkpoints in Hugging Face format, into
-    ``<job dir>/exports/step-N-hf`` (replaced if it exists); loadable by transformers'
-    ``from_pretrained``. Runs in an export worker process (``Exports``), waited on off the event loop."""
+    """Export one of the job's committed checkpoints in Hugging Face format (``transformers``'
+    ``from_pretrained`` loads it) or, for a LoRA run, as a PEFT adapter (``peft``'s
+    ``PeftModel.from_pretrained`` loads it onto the base), into ``<job dir>/exports/step-N-<format>``
+    (replaced if it exists). Runs in an export worker process (``Exports``), waited on off the event loop."""
     from concurrent.futures.process import BrokenProcessPool
 
     from hpservice.checkpoint import CheckpointError, step_dir_name
-    from hpservice.models.hf import HFFormatError, export_checkpoint_hf
+    from hpservice.models.hf import HFFormatError, export_checkpoint_hf, export_checkpoint_peft
 
     job_id = job.id
     found = [c for c in job.checkpoints if c.get("step") == step]
@@ -361,12 +367,13 @@ async def export_checkpoint(
         steps = [c.get("step") for c in job.checkpoints]
         raise APIError(404, f"job {job_id} has no committed checkpoint of step {step} (it has {steps})")
     home = job_dir(settings, job.owner, job_id)
-    out = home / "exports" / f"{step_dir_name(step)}-hf"
+    out = home / "exports" / f"{step_dir_name(step)}-{format}"
+    export = export_checkpoint_peft if format == "peft" else export_checkpoint_hf
     exports: Exports = request.app.state.exports
 
     def run() -> dict:
         try:
-            return exports.in_worker_process(export_checkpoint_hf, found[-1]["path"], out)
+            return exports.in_worker_process(export, found[-1]["path"], out)
         except BrokenProcessPool:
             raise APIError(500, f"export of step {step} failed: its worker process died (out of memory?)") from None
         except (HFFormatError, CheckpointError, ValueError) as e:

@@ -223,7 +223,7 @@ function newCurrent(id) {
     sortedOk: true,
     lossCount: 0,
     checkpoints: new Map(),
-    exports: new Map(), // "step|path" -> its export's path, as the table re-renders on each poll
+    exports: new Map(), // "step|path|format" -> its export's path, as the table re-renders on each poll
     logs: [],
     history: [],
     fetchSeq: 0,
@@ -380,8 +380,10 @@ function renderCheckpoints() {
         el("td", { class: "mono path", title: c.path || "" }, `\u200E${c.path || ""}`),
       );
       const action = el("td");
-      const exported = cur.exports.get(`${c.step}|${c.path}`);
-      action.append(exported ? exportedPath(exported) : exportButton(c));
+      for (const format of exportFormats(cur.job)) {
+        const exported = cur.exports.get(`${c.step}|${c.path}|${format}`);
+        action.append(exported ? exportedPath(exported, format) : exportButton(c, format));
+      }
       tr.append(action);
       return tr;
     }),
@@ -389,24 +391,38 @@ function renderCheckpoints() {
   $("ckpt-empty").hidden = ckpts.length > 0;
 }
 
-function exportedPath(path) {
-  return el("span", { class: "mono path", title: path, "data-testid": "exported" }, path);
+// hf: a Hugging Face directory (a LoRA run's adapters merged in); peft: a LoRA run's adapter
+function exportFormats(job) {
+  const model = job && job.spec && job.spec.model;
+  return model && model.lora ? ["hf", "peft"] : ["hf"];
 }
 
-function exportButton(c) {
-  // the checkpoint as a Hugging Face directory in the job's exports/ (POST .../export)
-  const button = el("button", { type: "button", class: "small", "data-testid": "export" }, "Export");
+const EXPORT_LABELS = { hf: "Export", peft: "Export adapter" };
+
+function exportTestId(what, format) {
+  return format === "hf" ? what : `${what}-${format}`;
+}
+
+function exportedPath(path, format) {
+  return el("span", { class: "mono path", title: path, "data-testid": exportTestId("exported", format) }, path);
+}
+
+function exportButton(c, format) {
+  // the checkpoint exported into the job's exports/ (POST .../export?format=)
+  const label = EXPORT_LABELS[format];
+  const button = el("button", { type: "button", class: "small", "data-testid": exportTestId("export", format) }, label);
   const job = cur;
   button.addEventListener("click", async () => {
     button.disabled = true;
     button.textContent = "Exporting…";
     try {
-      const body = await apiSend("POST", `/v1/jobs/${encodeURIComponent(job.id)}/checkpoints/${c.step}/export`);
-      job.exports.set(`${c.step}|${c.path}`, body.path);
-      button.replaceWith(exportedPath(body.path));
+      const url = `/v1/jobs/${encodeURIComponent(job.id)}/checkpoints/${c.step}/export?format=${format}`;
+      const body = await apiSend("POST", url);
+      job.exports.set(`${c.step}|${c.path}|${format}`, body.path);
+      button.replaceWith(exportedPath(body.path, format));
     } catch (e) {
       button.disabled = false;
-      button.textContent = "Export";
+      button.textContent = label;
       setConn(`Cannot export step ${c.step}: ${e.message}`, true);
     }
   });

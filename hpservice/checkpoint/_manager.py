@@ -285,10 +285,12 @@ class CheckpointManager:
         extra: dict[str, Any] | None = None,
         *,
         metrics: dict[str, float] | None = None,
+        ignore_frozen_params: bool = False,
     ) -> None:
-        """Save ``model`` (and ``optimizer``) at ``step``; ``extra`` is this rank's trainer state."""
+        """Save ``model`` (and ``optimizer``) at ``step``; ``extra`` is this rank's trainer state.
+        ``ignore_frozen_params``: without the parameters that do not train (``model_state_dict``)."""
         self.wait()
-        state: dict[str, Any] = {"model": model_state_dict(model)}
+        state: dict[str, Any] = {"model": model_state_dict(model, ignore_frozen_params=ignore_frozen_params)}
         if optimizer is not None:
             state["optim"] = optimizer_state_dict(model, optimizer, process_group=self._group)
         extra = dict(extra or {})
@@ -462,15 +464,23 @@ class CheckpointManager:
         return path
 
     def load(
-        self, model: Model, optimizer: torch.optim.Optimizer | None = None, step: int | str = "latest"
+        self,
+        model: Model,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | str = "latest",
+        *,
+        ignore_frozen_params: bool = False,
     ) -> dict[str, Any]:
-        """Load into ``model`` (and ``optimizer``), resharding as needed; return this rank's ``extra``."""
+        """Load into ``model`` (and ``optimizer``), resharding as needed; return this rank's ``extra``.
+        ``ignore_frozen_params``: the frozen parameters keep their values (a checkpoint saved without them)."""
         self.wait()
         if step == "latest" and self._group is not None:
             step = self.latest_step()
             if step is None:
                 raise CheckpointError(f"no committed checkpoint under {self.root}")
-        return CheckpointReader(self.resolve(step)).load(model, optimizer, group=self._group)
+        return CheckpointReader(self.resolve(step)).load(
+            model, optimizer, group=self._group, ignore_frozen_params=ignore_frozen_params
+        )
 
 
 def _missing(tmp: Path, files: list[dict]) -> str | None:

@@ -90,13 +90,21 @@ class CheckpointReader:
         with self.opened() as (_, _, extra):
             return extra(rank)
 
-    def load(self, model: Model, optimizer: torch.optim.Optimizer | None = None, *, group=None) -> dict[str, Any]:
+    def load(
+        self,
+        model: Model,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        group=None,
+        ignore_frozen_params: bool = False,
+    ) -> dict[str, Any]:
         """Load into ``model`` (and ``optimizer``), resharding as needed; collective over ``group``
-        (None: this process alone). Returns this rank's trainer state (``extra``)."""
+        (None: this process alone). Returns this rank's trainer state (``extra``).
+        ``ignore_frozen_params``: the parameters that do not train keep their values."""
         with self.opened() as (reader, _, extra):
             metadata = reader.read_metadata()
             saved = {tuple(v): metadata.state_dict_metadata[k] for k, v in metadata.planner_data.items()}
-            state: dict[str, Any] = {"model": model_state_dict(model)}
+            state: dict[str, Any] = {"model": model_state_dict(model, ignore_frozen_params=ignore_frozen_params)}
             check_shapes(saved, state["model"], "model")
             if optimizer is not None:
                 if not any(k[0] == "optim" for k in saved):

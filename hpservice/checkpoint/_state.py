@@ -33,11 +33,19 @@ def _parts(model: Model) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
 
-def model_state_dict(model: Model) -> dict:
-    """The state dict of the model, or of all its parts (their names do not overlap)."""
+def model_state_dict(model: Model, *, ignore_frozen_params: bool = False) -> dict:
+    """The state dict of the model, or of all its parts (their names do not overlap).
+
+    ``ignore_frozen_params`` (torch DCP's ``StateDictOptions`` name): leave out parameters with
+    ``requires_grad=False`` (a LoRA run's base, which comes from ``model.init_from`` again);
+    buffers stay."""
     state: dict = {}
     for part in _parts(model):
-        state.update(part.state_dict())
+        part_state = part.state_dict()
+        if ignore_frozen_params:
+            frozen = {n for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            part_state = {k: v for k, v in part_state.items() if k not in frozen}
+        state.update(part_state)
     return state
 
 

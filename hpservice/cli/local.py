@@ -35,6 +35,11 @@ def add_parsers(sub) -> None:
         "adapters merged in, in fp32); peft: a LoRA run's adapter, for peft.PeftModel.from_pretrained",
     )
     export.add_argument("--max-shard-mb", type=int, default=2048, help="hf: largest safetensors file (MiB)")
+    export.add_argument(
+        "--base",
+        help="hf, a LoRA run: the Hugging Face base its adapters belong to, where it is mounted now (default: the "
+        "run's model.init_from; its fingerprint must match)",
+    )
     prep = sub.add_parser(
         "prepare-data", help="tokenize text / JSONL files into a token file (+ metadata) for data.kind: tokens"
     )
@@ -137,7 +142,7 @@ def _export(args) -> int:
 
     try:
         if args.format == "hf":
-            done = export_checkpoint_hf(args.checkpoint, args.out, max_shard_bytes=args.max_shard_mb << 20)
+            done = export_checkpoint_hf(args.checkpoint, args.out, max_shard_bytes=args.max_shard_mb << 20, base=args.base)
             print(f"wrote {done['tensors']} tensors in {len(done['files'])} files and config.json to {args.out}")
             return ExitCode.OK
         if args.format == "peft":

@@ -337,35 +337,55 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
     checkpoint's weights, each rank reading only what its local pieces need."""
     path = Path(path)
     files = _SafetensorsDir(path)
-    head_dim = model.cfg.head_dim
-    permute = model.cfg.hf_rotate_half
     for name, buffer in model.named_buffers():  # DeepSeek-V3's routing biases (Qwen3-MoE has none: zeros)
         if name.endswith("feed_forward.expert_bias") and hf_name(name) in files.where:
             buffer.copy_(files.slice(hf_name(name))[:].to(buffer.dtype))
     for name, param in model.named_parameters():  # a tied head appears once, as the embedding
         if name.endswith((".lora_A", ".lora_B")):  # LoRA adapters: not the base's (models/peft_adapter.py)
             continue
-        if ".".join(name.split(".")[2:]) in _EXPERTS:
-            _load_experts(files, name, param)
-            continue
-        key = hf_name(name)
-        if key == "model.embed_tokens.weight" and key not in files.where and model.cfg.tie_embeddings:
-            key = "lm_head.weight"
-        source = files.slice(key)
-        shape = tuple(source.get_shape())
-        if shape != tuple(param.shape):
-            raise HFFormatError(f"{path}: tensor {key} has shape {list(shape)}, our {name} needs {list(param.shape)}")
-        offset, local_shape, local = _region(param)
-        if local.numel() == 0:
-            continue
-        cols = [slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True)]
-        if permute and name.endswith(_ROTARY):
-            lo, hi, index = _rotary_rows(offset[0], local_shape[0], head_dim)
-            block = source[(slice(lo, hi), *cols)]
-            value = block[index]
-        else:
-            value = source[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
-        local.copy_(value.to(local.dtype))
+        _fill_from_hf(files, name, param, model.cfg)
+
+
+def _fill_from_hf(files: _SafetensorsDir, name: str, param: torch.Tensor, cfg: LlamaConfig) -> None:
+    """Our tensor ``name`` (a parameter, sharded or not, or a plain tensor) from the checkpoint's,
+    reading only the rectangle this rank's piece covers."""
+    if ".".join(name.split(".")[2:]) in _EXPERTS:
+        _load_experts(files, name, param)
+        return
+    key = hf_name(name)
+    if key == "model.embed_tokens.weight" and key not in files.where and cfg.tie_embeddings:
+        key = "lm_head.weight"
+    source = files.slice(key)
+    shape = tuple(source.get_shape())
+    if shape != tuple(param.shape):
+        raise HFFormatError(f"{files.path}: tensor {key} has shape {list(shape)}, our {name} needs {list(param.shape)}")
+    offset, local_shape, local = _region(param)
+    if local.numel() == 0:
+        return
+    cols = [slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True)]
+    if cfg.hf_rotate_half and name.endswith(_ROTARY):
+        lo, hi, index = _rotary_rows(offset[0], local_shape[0], cfg.head_dim)
+        value = source[(slice(lo, hi), *cols)][index]
+    else:
+        value = source[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
+    local.copy_(value.to(local.dtype))
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def base_fingerprint(path: str | Path) -> str:
+    """What identifies a Hugging Face base checkpoint wherever it is mounted: a sha256 over its
+    ``config.json`` and its safetensors files' names and sizes (a LoRA run's checkpoints hold the
+    adapters only, so a resume checks that its ``model.init_from`` is the base they trained on)."""
+    import hashlib
+
+    path = Path(path)
+    files = _SafetensorsDir(path)
+    h = hashlib.sha256(json.dumps(_read_config(path), sort_keys=True).encode())
+    for f in sorted(set(files.where.values())):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()
 
 
 def _load_experts(files: _SafetensorsDir, name: str, param: torch.Tensor) -> None:
@@ -448,6 +468,7 @@ def export_hf(
     text: dict | None = None,
     family: str = "llama",
     lora: dict | None = None,
+    base: str | Path | None = None,
 ) -> dict:
     """Write a committed checkpoint of our ``family`` model (``FAMILIES``) as a Hugging Face checkpoint directory:
     ``config.json``, ``model-0000x-of-0000y.safetensors`` and their index, loadable by
@@ -458,11 +479,13 @@ def export_hf(
     Streams: the tensors are read from the sharded checkpoint and written one shard file at a
     time (at most ``max_shard_bytes`` of tensors in memory, or one tensor if larger). Writes into
     ``out`` + ``.tmp`` and renames at the end: a failed export leaves nothing at ``out``.
+    ``base`` (a Hugging Face checkpoint directory): where the weights the checkpoint does not
+    hold come from (a LoRA run's checkpoints hold its adapters only).
     Returns ``{"files": [...], "tensors": N}``."""
     checkpoint, out = Path(checkpoint), Path(out)
     _check_family(cfg, family)
     with CheckpointReader(checkpoint).opened() as (reader, _, _):
-        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes, text, family, lora)
+        return _export_hf(checkpoint, reader, out, cfg, max_shard_bytes, text, family, lora, base)
 
 
 def _export_hf(
@@ -474,8 +497,10 @@ def _export_hf(
     text: dict | None,
     family: str,
     lora: dict | None = None,
+    base: str | Path | None = None,
 ) -> dict:
     import shutil
+    import types
 
     metadata = reader.read_metadata()
     ours = {}
@@ -485,6 +510,12 @@ def _export_hf(
             ours[path[1]] = md
     with torch.device("meta"):
         wanted = {n: tuple(p.shape) for n, p in _exported(model_class(family)(cfg), family)}
+    if base is not None and any(n not in ours for n in wanted):  # from the base, in its own dtype
+        base = _SafetensorsDir(Path(base))
+        for n, shape in wanted.items():
+            if n not in ours:
+                dtype = _SAFETENSORS_DTYPES.get(base.slice(hf_names(n, shape)[0]).get_dtype(), torch.float32)
+                ours[n] = types.SimpleNamespace(size=shape, properties=types.SimpleNamespace(dtype=dtype), base=True)
     problems = [f"{n} is missing" for n in wanted if n not in ours] + [
         f"{n} has shape {list(ours[n].size)}, the config needs {list(shape)}"
         for n, shape in wanted.items()
@@ -506,7 +537,7 @@ def _export_hf(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))  # this export's own
     try:
-        files = _write_shards(reader, tmp, groups, ours, cfg, lora)
+        files = _write_shards(reader, tmp, groups, ours, cfg, lora, base)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -550,10 +581,12 @@ def _replace_dir(new: Path, out: Path) -> None:
     raise OSError(f"{out}: could not be replaced (other exports of it kept replacing it)")
 
 
-def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig, lora: dict | None = None) -> list:
-    """One safetensors file per group of tensors, read from the checkpoint group by group; with
-    ``lora`` (the run's LoRA record) each adapted weight gets its update merged in, in fp32, as
-    PEFT's ``merge_and_unload``: ``W + scaling * B @ A``."""
+def _write_shards(
+    reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig, lora: dict | None = None, base=None
+) -> list:
+    """One safetensors file per group of tensors, read from the checkpoint group by group (those
+    it does not hold from ``base``); with ``lora`` (the run's LoRA record) each adapted weight
+    gets its update merged in, in fp32, as PEFT's ``merge_and_unload``: ``W + scaling * B @ A``."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -566,7 +599,11 @@ def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig,
             for which in ("lora_A", "lora_B"):
                 key = f"{n.removesuffix('.weight')}.{which}"
                 targets[key] = torch.empty(tuple(ours[key].size), dtype=ours[key].properties.dtype)
+        from_base = {n: targets.pop(n) for n in list(targets) if getattr(ours.get(n), "base", False)}
         dcp_load({"model": targets}, reader, tmp, planner=DefaultLoadPlanner(allow_partial_load=True))
+        for n, t in from_base.items():
+            _fill_from_hf(base, n, t, cfg)
+        targets.update(from_base)
         for n in merged:
             module = n.removesuffix(".weight")
             a, b = targets.pop(f"{module}.lora_A").float(), targets.pop(f"{module}.lora_B").float()
@@ -579,8 +616,12 @@ def _write_shards(reader, tmp: Path, groups: list, ours: dict, cfg: LlamaConfig,
     return files
 
 
-def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30) -> dict:
-    """``export_hf`` with the model and config the trainer recorded in the checkpoint."""
+def export_checkpoint_hf(
+    checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30, base: str | Path | None = None
+) -> dict:
+    """``export_hf`` with the model and config the trainer recorded in the checkpoint. A LoRA run's
+    checkpoint holds its adapters only: its frozen base is read from ``base`` (default: the run's
+    ``model.init_from``), which must be the base the adapters were trained on (its fingerprint)."""
     try:
         recorded = CheckpointReader(checkpoint).extra(0).get("model")
     except (OSError, RuntimeError) as e:
@@ -597,8 +638,18 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path, *, max_shard_b
 
         fields = {f.name for f in dataclasses.fields(LoraSettings)}
         lora = {**lora, "scaling": LoraSettings(**{k: v for k, v in lora.items() if k in fields}).scaling}
+    if lora is not None and lora.get("base_fingerprint"):  # the frozen base a LoRA run's checkpoints leave out
+        base = base or lora.get("base")
+        if base_fingerprint(base) != lora["base_fingerprint"]:
+            raise HFFormatError(
+                f"{checkpoint}: its adapters were trained on the base {lora.get('base')!r}; {str(base)!r} is another "
+                "model (config.json or weight files differ): give that base with --base"
+            )
+    elif base is not None:
+        raise HFFormatError(f"{checkpoint}: holds its whole model; a base is only read for a LoRA run's adapters")
     return export_hf(
-        checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"), family=recorded["name"], lora=lora
+        checkpoint, out, cfg, max_shard_bytes=max_shard_bytes, text=recorded.get("text"), family=recorded["name"],
+        lora=lora, base=base,
     )
 
 

@@ -182,4 +182,8 @@ def describe_model(bundle: ModelSpec, whole: nn.Module, spec: JobSpec, device: t
         trainable = sum(p.numel() for n, p in whole.named_parameters() if n.endswith((".lora_A", ".lora_B")))
         record["lora"] = {**dataclasses.asdict(lora_settings(m.lora)), "modules": adapted, "base": m.init_from,
                           "trainable": trainable, "total": num_params(whole)}  # fmt: skip
+        if m.init_from is not None:  # the base the adapters belong to, wherever it is mounted
+            from hpservice.models.hf import base_fingerprint
+
+            record["lora"]["base_fingerprint"] = base_fingerprint(m.init_from)
     return ModelFacts(record, vocab, Utilisation(device, spec.parallelism.mixed_precision, flops, flops_no_attention))

@@ -39,6 +39,11 @@ class TrainCheckpoints:
         self.spec, self.rank, self.model_parts, self.optimizer, self.scheduler = spec, rank, model_parts, optimizer, scheduler
         self.model_record, self.on_checkpoint = model_record, on_checkpoint
         self.manager = CheckpointManager(c.dir, keep=c.keep, async_save=c.async_, best_metric=c.keep_best)
+        # A LoRA run on a pretrained base saves its adapters (and their optimizer state) only: the
+        # frozen base is model.init_from's, read again on resume and identified by its fingerprint.
+        # A base initialised from the seed is saved with them (a merged export needs its values).
+        lora = model_record.get("lora")
+        self.adapters_only = lora is not None and lora.get("base_fingerprint") is not None
         self._uncommitted: list[dict] = []  # async checkpoints not yet reported as committed
 
     def resume(self, resume_from: str) -> int:
@@ -48,7 +53,7 @@ class TrainCheckpoints:
             if self.manager.latest_step() is None:  # rank 0's answer, checked on every rank
                 log.info("resume_from: latest, but no checkpoint under %s yet: starting fresh", self.spec.checkpoint.dir)
                 return 0
-            extra = self.manager.load(self.model_parts, self.optimizer)
+            extra = self.manager.load(self.model_parts, self.optimizer, ignore_frozen_params=self.adapters_only)
             latest = self.manager.latest() if self.rank == 0 else None
             if latest is not None:  # listed again: an earlier attempt's workers may have written it unreported
                 self._uncommitted.append({"step": latest["step"], "metrics": latest["metrics"], "time": latest["time"]})
@@ -59,11 +64,25 @@ class TrainCheckpoints:
                     f"checkpoint.resume_from: expected 'latest' or a .../step-N directory, got {resume_from!r}"
                 )
             # an input (another run's, or a tenant's files): read-only, confined, no code in it runs
-            extra = CheckpointReader(resume_from).load(self.model_parts, self.optimizer, group=self.manager.group)
+            extra = CheckpointReader(resume_from).load(
+                self.model_parts, self.optimizer, group=self.manager.group, ignore_frozen_params=self.adapters_only
+            )
+        self._check_base(extra.get("model") or {})
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
         dtensor_random.set_rng_state(extra["dtensor_rng"])
         return extra["step"]
+
+    def _check_base(self, saved: dict) -> None:
+        """Adapters resume on the base they were trained on (the checkpoint does not hold it)."""
+        if not self.adapters_only:
+            return
+        mine, theirs = self.model_record["lora"], saved.get("lora") or {}
+        if theirs.get("base_fingerprint") != mine["base_fingerprint"]:
+            raise TrainingError(
+                f"checkpoint.resume_from: its adapters were trained on the base {theirs.get('base')!r}, which is not "
+                f"model.init_from {mine['base']!r} (config.json or weight files differ); resume with that base"
+            )
 
     def save(self, step: int, metrics: dict | None = None) -> None:
         extra = {
@@ -76,7 +95,9 @@ class TrainCheckpoints:
             "model": dict(self.model_record),
         }
         self.report_committed()  # save() waits for the previous async save: it is committed now
-        self.manager.save(step, self.model_parts, self.optimizer, extra, metrics=metrics)
+        self.manager.save(
+            step, self.model_parts, self.optimizer, extra, metrics=metrics, ignore_frozen_params=self.adapters_only
+        )
         self._uncommitted.append({"step": step, "metrics": metrics or {}})
         if not self.spec.checkpoint.async_:
             self.report_committed()

@@ -41,6 +41,7 @@ from ._forward import attention, micro_batch_loss
 from ._grad_norm import clip_grad_norm_
 from ._hold import wait_while_held
 from ._loss import TokenLoss
+from ._memory import TrainingStateMemory
 from ._model import build_meta_model, build_model_parts, describe_model
 from ._optimizer import build_lr_scheduler, build_optimizer
 from ._profile import StepProfiler
@@ -109,6 +110,7 @@ class Trainer:
         self.model_parts, self.pipeline = build_model_parts(bundle, whole, frozen, dims, spec, self.device, self.loss)
         self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = build_lr_scheduler(self.optimizer, spec)
+        self.memory = TrainingStateMemory(self.model_parts, self.optimizer, whole, frozen)
         facts = describe_model(bundle, whole, spec, self.device, self.rank)
         self.model_record, self.utilisation = facts.record, facts.utilisation
         self.post_optimizer_hooks = bundle.post_optimizer_hooks(
@@ -284,6 +286,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
             **self.utilisation.record(tokens / elapsed / self.world),
+            **self.memory.record(),
         }
         for hook in self.post_optimizer_hooks:
             values.update(hook())

@@ -48,7 +48,7 @@ def checkpoint(request, tmp_path_factory):
     return base, _adapter(base, tmp / "adapter")
 
 
-def _spec(tmp, base, adapter, parallelism=None, steps=STEPS, training=None, **model):
+def _spec(tmp, base, adapter, parallelism=None, steps=STEPS, training=None, checkpoint=None, **model):
     return parse_job({
         "name": "lora",
         "model": {"init_from": str(base), "lora": {"r": 4, "lora_alpha": 8.0, "target_modules": TARGETS},
@@ -59,7 +59,7 @@ def _spec(tmp, base, adapter, parallelism=None, steps=STEPS, training=None, **mo
         "lr_scheduler": {"warmup_steps": 0, "decay": "constant"},
         "parallelism": parallelism or {},
         "metrics": {"dir": str(tmp)},
-        "checkpoint": {"dir": str(tmp / "ckpt"), "interval": steps},
+        "checkpoint": {"dir": str(tmp / "ckpt"), "interval": steps, **(checkpoint or {})},
     })  # fmt: skip
 
 
@@ -199,6 +199,34 @@ def test_the_peft_export_loads_into_peft_with_our_logits(ranks, tmp_path, checkp
         torch.testing.assert_close(merged(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_checkpoints_hold_the_adapters_only_and_resume_exactly_on_another_layout(ranks, tmp_path, checkpoint):
+    """A LoRA run on a pretrained base checkpoints its adapters and their optimizer state only (the
+    base is model.init_from's, identified by its fingerprint): resumed from step 2 of a fully_shard
+    run on one rank, steps 3-4 and the final adapters equal the uninterrupted run's."""
+    import shutil
+
+    from hpservice.checkpoint import CheckpointReader
+    from hpservice.launch import RankFailure
+
+    base, adapter = checkpoint
+    full = ranks(2).run(_train, _spec(tmp_path / "a", base, adapter, {"dp_shard": 2}, steps=4, checkpoint={"interval": 2}))
+    step2 = tmp_path / "a" / "ckpt" / "step-00000002"
+    with CheckpointReader(step2).opened() as (reader, _, _):
+        saved = {v[1] for v in reader.read_metadata().planner_data.values() if v[0] == "model"}
+    assert saved and all(k.endswith((".lora_A", ".lora_B")) for k in saved), sorted(saved)[:5]
+    resumed = ranks(1).run(_train, _spec(tmp_path / "b", base, adapter, steps=4, checkpoint={"resume_from": str(step2)}))[0]
+    assert resumed[0] == pytest.approx(full[0][0][2:], abs=1e-6)
+    want = {k: v for o in full for k, v in o[2].items()}
+    for k, v in resumed[2].items():
+        assert (v - want[k]).abs().max().item() < 1e-6, k
+    other = tmp_path / "other-base"  # the same tensors under another config: not the adapters' base
+    shutil.copytree(base, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "note": "another base"}))
+    with pytest.raises(RankFailure, match=r"TrainingError: checkpoint\.resume_from: its adapters were trained on the base"):
+        ranks(1).run(_train, _spec(tmp_path / "c", other, adapter, steps=4, checkpoint={"resume_from": str(step2)}))
+
+
 @pytest.mark.parametrize(
     ("lora", "field"),
     [
@@ -283,3 +311,68 @@ def test_the_job_log_says_how_many_parameters_train(ranks, tmp_path):
                       "metrics": {"dir": str(tmp_path)}})  # fmt: skip
     lines = ranks(1).run(_first_lines, spec)[0]
     assert any("LoRA r=4 on 14 layers:" in line and "trainable parameters of" in line for line in lines), lines
+
+
+def _memory_record(spec):
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    record = trainer.train()[-1]
+    trained = sum(1 for p in trainer.model_parts for q in p.parameters() if q.requires_grad)
+    return {k: record[k] for k in ("trainable_params", "total_params", "params_gib", "grads_gib", "optimizer_state_gib")}, trained
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4, "lora_alpha": 8}], ids=["full", "lora"])
+def test_the_step_record_says_what_the_training_state_holds_per_rank(ranks, tmp_path, lora):
+    """fsdp 2, fp32, AdamW: parameters, gradients and optimizer state per rank equal the counts
+    (two moments per trainable element and a step scalar per parameter); LoRA trains its adapters only."""
+    spec = parse_job({"name": "m", "model": {"name": "llama", "flavor": "tiny", **({"lora": lora} if lora else {})},
+                      "data": {"kind": "synthetic", "seq_len": 16, "global_batch": 4}, "training": {"steps": 1},
+                      "parallelism": {"dp_shard": 2}, "metrics": {"dir": str(tmp_path)}})  # fmt: skip
+    from hpservice.models import build_model
+
+    (got, trained), _ = ranks(2).run(_memory_record, spec)
+    whole = build_model("llama", "tiny", {}, device="meta")
+    total = sum(p.numel() for p in whole.parameters())
+    linear = [m for n, m in whole.named_modules() if n.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
+    trainable = sum(4 * (m.in_features + m.out_features) for m in linear) if lora else total
+    assert (got["trainable_params"], got["total_params"]) == (trainable, total + (trainable if lora else 0))
+    # fully_shard splits every tensor's dim 0 over 2 ranks (the tiny model's are even): half per rank
+    gib = 2**30
+    assert got["params_gib"] * gib == pytest.approx(got["total_params"] * 4 / 2)
+    assert got["grads_gib"] * gib == pytest.approx(trainable * 4 / 2)
+    assert got["optimizer_state_gib"] * gib == pytest.approx(trainable * 8 / 2 + 4 * trained)  # exp_avg, exp_avg_sq, step
+
+
+def test_the_api_exports_a_lora_jobs_adapter_and_its_merged_model(ranks, tmp_path, checkpoint):
+    """POST .../checkpoints/{step}/export?format=peft writes the adapter into the job's exports/,
+    ?format=hf the merged model (its base read from the run's model.init_from)."""
+    import peft
+    import transformers
+    from fastapi.testclient import TestClient
+
+    from hpservice.api import Settings, create_app
+    from hpservice.api.admission import job_dir
+    from hpservice.api.settings import Principal
+
+    base, adapter = checkpoint
+    settings = Settings(data_dir=tmp_path / "data", tokens={"alice-token-0123456789": Principal("alice")})
+    alice = {"Authorization": "Bearer alice-token-0123456789"}
+    with TestClient(create_app(settings, connect_ray=False, supervise=False)) as c:
+        job = c.post("/v1/jobs", json={"name": "t", "training": {"steps": 2}}, headers=alice).json()
+        home = job_dir(settings, "alice", job["id"])
+        ranks(1).run(_train, _spec(home, base, adapter, steps=2))  # what the job's workers would have written
+        step = str(home / "ckpt" / "step-00000002")
+        c.app.state.store.update_status(job["id"], {"state": "SUCCEEDED", "checkpoints": [{"step": 2, "path": step}]})
+        got = {}
+        for fmt in ("peft", "hf"):
+            r = c.post(f"/v1/jobs/{job['id']}/checkpoints/2/export?format={fmt}", headers=alice)
+            assert r.status_code == 200, r.text
+            got[fmt] = r.json()["path"]
+            assert got[fmt] == str(home / "exports" / f"step-00000002-{fmt}")
+        assert c.post(f"/v1/jobs/{job['id']}/checkpoints/2/export?format=bin", headers=alice).status_code == 422
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), got["peft"]).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(got["hf"]).eval()
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=1e-5)

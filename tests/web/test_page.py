@@ -83,7 +83,7 @@ class FakeJob:
             "updated_at": now,
             "history": [{"state": "QUEUED", "time": now, "message": "waiting for resources"}],
             "checkpoints": [],
-            "spec": {"name": "tiny-cpu", "training": {"steps": STEPS}},
+            "spec": {"name": "tiny-cpu", "model": {"lora": {"r": 8, "lora_alpha": 16}}, "training": {"steps": STEPS}},
             "ray_dashboard_url": "http://127.0.0.1:8265/#/actors",
         }
 
@@ -250,12 +250,12 @@ def make_app(fake: FakeJob, token: str | None = None) -> FastAPI:
         return denied(request) or fake.job
 
     @app.post("/v1/jobs/{job_id}/checkpoints/{step}/export")
-    def export(job_id: str, step: int, request: Request):
+    def export(job_id: str, step: int, request: Request, format: str = "hf"):
         if (refused := denied(request)) is not None:
             return refused
-        fake.actions.append(("export", str(step)))
-        path = f"/data/jobs/alice/{job_id}/exports/step-{step:08d}-hf"
-        return {"step": step, "format": "hf", "path": path, "files": ["config.json", "model-00001-of-00001.safetensors"]}
+        fake.actions.append(("export", str(step), format))
+        path = f"/data/jobs/alice/{job_id}/exports/step-{step:08d}-{format}"
+        return {"step": step, "format": format, "path": path, "files": ["config.json", "model-00001-of-00001.safetensors"]}
 
     @app.post("/v1/jobs/{job_id}/resubmit")
     def resubmit(job_id: str, request: Request):
@@ -450,12 +450,15 @@ def test_page_shows_a_live_job(browser, tmp_path):
         wait(browser, lambda d: len(css_all(d, '[data-testid="checkpoints"] tbody tr')) == KEEP)
         listed = css(browser, '[data-testid="checkpoints"]').text
         assert "/step-20" in listed and "/step-30" in listed and "/step-10" not in listed
-        # a checkpoint exports as a Hugging Face directory from its row
+        # a checkpoint exports as a Hugging Face directory from its row; a LoRA job's also as its adapter
         wait(browser, lambda d: click_fresh(d, '[data-testid="checkpoints"] tbody tr:last-child [data-testid="export"]'))
         # read in the wait: the table re-renders on each poll, and keeps the export's path
         exported = wait(browser, lambda d: text_fresh(d, '[data-testid="exported"]'))
         assert exported == f"/data/jobs/alice/{JOB_ID}/exports/step-00000030-hf"
-        assert fake.actions == [("export", "30")]
+        wait(browser, lambda d: click_fresh(d, '[data-testid="checkpoints"] tbody tr:last-child [data-testid="export-peft"]'))
+        exported = wait(browser, lambda d: text_fresh(d, '[data-testid="exported-peft"]'))
+        assert exported == f"/data/jobs/alice/{JOB_ID}/exports/step-00000030-peft"
+        assert fake.actions == [("export", "30", "hf"), ("export", "30", "peft")]
         fake.actions.clear()
         wait(browser, lambda d: RESTART_REASON in css(d, '[data-testid="restart-reasons"]').text)
         assert css(browser, '[data-testid="restart-count"]').text == "1 restart."

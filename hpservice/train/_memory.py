@@ -1,0 +1,52 @@
+"""What this rank's training state holds between steps: its pieces of the parameters, the
+gradients they get (one per trainable parameter, in its layout), and the optimizer's state.
+
+The numbers are this rank's local tensors (a fully_shard or tensor-parallel parameter counts its
+shard only), so they are what a layout saves per rank: a LoRA run's gradients and optimizer state
+are its adapters' alone. Transient memory (fully_shard's all-gathered parameters, activations) is
+not in them: ``peak_rss_gib`` / ``peak_memory_allocated_gib`` measure the whole process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hpservice.dtensor import DTensor
+
+__all__ = ["TrainingStateMemory"]
+
+_GIB = 2**30
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+class TrainingStateMemory:
+    """The step record's parameter counts (whole model) and this rank's training-state memory."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, whole: nn.Module, frozen: set[str]):
+        self.model_parts, self.optimizer = model_parts, optimizer
+        seen: set[int] = set()
+        total = trainable = 0
+        for name, p in whole.named_parameters():  # the meta model: every rank's parameters, tied ones once
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += p.numel()
+            trainable += p.numel() if name not in frozen else 0
+        self.counts = {"trainable_params": trainable, "total_params": total}
+
+    def record(self) -> dict:
+        params = {id(p): p for part in self.model_parts for p in part.parameters()}.values()
+        optimizer_state = sum(
+            _local_bytes(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+        )
+        return {
+            **self.counts,
+            "params_gib": sum(_local_bytes(p) for p in params) / _GIB,
+            "grads_gib": sum(_local_bytes(p) for p in params if p.requires_grad) / _GIB,
+            "optimizer_state_gib": optimizer_state / _GIB,
+        }
