@@ -64,6 +64,12 @@ def add_parsers(sub) -> None:
         help="a conversation (JSON list of {role, content}, inline or a file): rendered with the model's chat "
         "template and a generation prompt; prints the assistant's answer",
     )
+    gen.add_argument(
+        "--adapter",
+        default=None,
+        help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to apply to a Hugging "
+        "Face checkpoint (a LoRA run's own step-N checkpoint carries its adapters already)",
+    )
     gen.add_argument("--chat-template", default=None, help="with --messages: a template (inline or a .jinja file) instead of the model's")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="stop after this many tokens (default 32)")
     gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: byte-level, for 256-token models)")
@@ -175,27 +181,52 @@ def load_launchable(args, *, here: bool = True):
     return spec
 
 
-def _load_for_generation(path: str):
+def _load_for_generation(path: str, adapter: str | None = None):
     """A plain model of one of the Hugging Face families with the weights of ``path`` and its
     ``hf_text`` record (special ids, tokenizer files; None where there is none): our checkpoint
-    (its recorded model and config) or a Hugging Face directory (the family its config names)."""
+    (its recorded model and config; a LoRA run's with its adapters, on the base it records when the
+    checkpoint holds the adapters only) or a Hugging Face directory (the family its config names),
+    with a PEFT ``adapter`` applied."""
     from pathlib import Path
 
     from hpservice.checkpoint import CheckpointReader
     from hpservice.models import HF_FAMILIES, build_model, config_class, model_class
-    from hpservice.models.hf import load_hf_weights
+    from hpservice.models.hf import base_fingerprint, load_hf_weights
     from hpservice.models.hf_text import record_from_hf
+    from hpservice.models.lora import LoraSettings, apply_lora
+    from hpservice.models.peft_adapter import load_adapter, read_adapter_config, settings_from_config
+
     p = Path(path)
     if (p / "config.json").is_file():
         model = build_model(None, init_from=str(p))
+        if adapter is not None:
+            apply_lora(model, settings_from_config(read_adapter_config(adapter), adapter))
         load_hf_weights(model, p)
+        if adapter is not None:
+            load_adapter(model, adapter)
         return model, record_from_hf(p)
+    if adapter is not None:
+        raise ValueError("--adapter applies to a Hugging Face checkpoint; a LoRA run's step-N checkpoint has its own")
     checkpoint = CheckpointReader(p)  # an input: read, never written, nothing in it runs
     recorded = checkpoint.extra(0).get("model") or {}
     if recorded.get("name") not in HF_FAMILIES or not recorded.get("config"):
         raise ValueError(f"{p}: not a checkpoint of {', '.join(HF_FAMILIES)} with its config recorded")
     model = model_class(recorded["name"])(config_class(recorded["name"])(**recorded["config"]))
-    checkpoint.load(model)
+    lora = recorded.get("lora")
+    if lora is None:
+        checkpoint.load(model)
+        return model, recorded.get("text")
+    fields = {"r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora"}
+    settings = {k: (tuple(v) if isinstance(v, list) else v) for k, v in lora.items() if k in fields}
+    apply_lora(model, LoraSettings(**settings))
+    adapters_only = lora.get("base_fingerprint") is not None  # the frozen base is model.init_from's
+    if adapters_only:
+        if base_fingerprint(lora["base"]) != lora["base_fingerprint"]:
+            raise ValueError(f"{p}: its adapters were trained on {lora['base']!r}, which now holds another model")
+        load_hf_weights(model, lora["base"])
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.endswith((".lora_A", ".lora_B")))
+    checkpoint.load(model, ignore_frozen_params=adapters_only)
     return model, recorded.get("text")
 
 
@@ -205,7 +236,7 @@ def _generate(args) -> int:
     from hpservice.models.hf_text import stop_ids
 
     try:
-        model, text = _load_for_generation(args.checkpoint)
+        model, text = _load_for_generation(args.checkpoint, args.adapter)
         files = (text or {}).get("files") or {}
         if args.tokenizer or "tokenizer.json" in files:  # --tokenizer, else the one the model came with
             from tokenizers import Tokenizer

@@ -74,6 +74,20 @@ def read_adapter_config(path: str | Path) -> dict:
     return cfg
 
 
+def settings_from_config(cfg: dict, where: str | Path) -> LoraSettings:
+    """The engine's LoRA settings of a PEFT ``adapter_config.json`` (``read_adapter_config``'s)."""
+    targets = cfg.get("target_modules")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"{where}: target_modules {targets!r}: a list of module names is supported (not a pattern)")
+    try:
+        return LoraSettings(
+            int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout") or 0.0), tuple(targets),
+            bool(cfg.get("use_rslora") or False),
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterError(f"{where}: r and lora_alpha must be numbers ({type(e).__name__}: {e})") from None
+
+
 @torch.no_grad()
 def load_adapter(model: nn.Module, path: str | Path, *, whole: bool = True) -> int:
     """Fill every ``LoRALinear`` of ``model`` (sharded or not) from the PEFT adapter directory

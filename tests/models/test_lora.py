@@ -376,3 +376,33 @@ def test_the_api_exports_a_lora_jobs_adapter_and_its_merged_model(ranks, tmp_pat
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_runs_with_an_adapter_as_peft_generates(ranks, tmp_path, checkpoint):
+    """hpservice generate's model: a Hugging Face base with --adapter, and a LoRA run's own
+    (adapter-only) checkpoint on the base it records; greedy tokens equal peft's generate."""
+    import peft
+    import transformers
+
+    from hpservice.cli.local import _load_for_generation
+    from hpservice.models.generate import generate
+
+    base, adapter = checkpoint
+    prompt = [5, 17, 42, 9]
+
+    def peft_tokens(adapter_dir):
+        model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter_dir).eval()
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    model, _ = _load_for_generation(str(base), str(adapter))
+    assert generate(model, prompt, 8) == peft_tokens(adapter)
+    ranks(1).run(_train, _spec(tmp_path, base, adapter, steps=2))
+    step = tmp_path / "ckpt" / "step-00000002"
+    from hpservice.models.hf import export_checkpoint_peft
+
+    export_checkpoint_peft(step, tmp_path / "trained")
+    model, _ = _load_for_generation(str(step))
+    assert generate(model, prompt, 8) == peft_tokens(tmp_path / "trained")
+    with pytest.raises(ValueError, match="a LoRA run's step-N checkpoint has its own"):
+        _load_for_generation(str(step), str(adapter))
