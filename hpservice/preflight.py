@@ -419,7 +419,7 @@ def _lora_errors(spec: JobSpec, cfg) -> Errors:
     import torch
 
     from hpservice.models import model_class, resolve_name
-    from hpservice.models.lora import apply_lora
+    from hpservice.models.lora import NF4_BLOCK, NF4_SCALER_BLOCK, apply_lora, nf4_available, nf4_problems
     from hpservice.train._model import lora_settings
 
     few = dataclasses.replace(cfg, n_layers=min(cfg.n_layers, 4)) if hasattr(cfg, "n_layers") else cfg
@@ -427,6 +427,12 @@ def _lora_errors(spec: JobSpec, cfg) -> Errors:
         with torch.device("meta"):
             model = model_class(resolve_name(spec.model.name, spec.model.init_from))(few)
         apply_lora(model, lora_settings(spec.model.lora))
+        if spec.model.lora.quantize_base == "nf4" and not nf4_available():
+            return [("model.lora.quantize_base", "nf4 needs torchao's NF4 tensor, which is not installed here "
+                     "(pip install 'hpservice[qlora]')")]  # fmt: skip
+        if spec.model.lora.quantize_base == "nf4" and (problems := nf4_problems(model)):
+            return [("model.lora.quantize_base", f"nf4 needs each adapted weight's element count divisible by "
+                     f"{NF4_BLOCK} x {NF4_SCALER_BLOCK} (torchao's NF4 blocks); not: {', '.join(problems[:4])}")]  # fmt: skip
     except ValueError as e:
         field, _, message = str(e).partition(": ")
         return [(field if field.startswith("model.lora") else "model.lora", message or str(e))]

@@ -33,11 +33,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
+    "NF4_BLOCK",
     "LoRALinear",
     "LoraSettings",
     "apply_lora",
+    "is_nf4",
     "lora_targets",
+    "nf4_available",
+    "nf4_problems",
     "peft_module_names",
+    "quantize_base_nf4",
 ]
 
 # our module name (last part) -> PEFT's (the Hugging Face module's)
@@ -55,6 +60,7 @@ class LoraSettings:
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] | str = "all-linear"
     use_rslora: bool = False
+    quantize_base: str = "none"  # "nf4": QLoRA (quantize_base_nf4)
 
     @property
     def scaling(self) -> float:
@@ -95,7 +101,13 @@ class LoRALinear(nn.Linear):
         nn.init.zeros_(self.lora_B)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        if is_nf4(self.weight):  # QLoRA: the 4-bit base dequantised for this product (torchao's linear)
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+            base = linear_nf4(x, self.weight)
+            base = base + self.bias if self.bias is not None else base
+        else:
+            base = F.linear(x, self.weight, self.bias)
         return base + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def extra_repr(self) -> str:
@@ -154,3 +166,51 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
             )
         setattr(parent, child, LoRALinear.from_linear(linear, settings))
     return names
+
+
+# ---- QLoRA: the frozen base in 4-bit NF4 ----------------------------------------------------------
+
+# torchao's NF4 defaults, the QLoRA paper's: one absmax scaler per 64 weights, the scalers
+# themselves quantised to 8 bits in blocks of 256. A weight's element count must divide into both.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+
+
+def is_nf4(t) -> bool:
+    return type(t).__name__ == "NF4Tensor"  # torchao's class, imported only where QLoRA runs
+
+
+def nf4_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+def nf4_problems(model: nn.Module) -> list[str]:
+    """The adapted layers whose weight NF4's blocks do not divide (``quantize_base_nf4`` refuses them)."""
+    unit = NF4_BLOCK * NF4_SCALER_BLOCK
+    return [
+        f"{name}.weight ({module.out_features} x {module.in_features} = {module.weight.numel()} elements)"
+        for name, module in model.named_modules()
+        if isinstance(module, LoRALinear) and module.weight.numel() % unit
+    ]
+
+
+@torch.no_grad()
+def quantize_base_nf4(model: nn.Module) -> int:
+    """Replace each ``LoRALinear``'s frozen weight (a plain tensor, filled) by torchao's
+    ``NF4Tensor`` of it; returns how many. ``ValueError`` naming the layers NF4's blocks do not divide."""
+    problems = nf4_problems(model)
+    if problems:
+        raise ValueError(
+            f"model.lora.quantize_base: nf4 needs each adapted weight's element count divisible by "
+            f"{NF4_BLOCK} x {NF4_SCALER_BLOCK} (torchao's NF4 blocks); not: {', '.join(problems[:4])}"
+            f"{' ...' if len(problems) > 4 else ''}"
+        )
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LoRALinear) and not is_nf4(module.weight):
+            module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+            count += 1
+    return count

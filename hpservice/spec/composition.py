@@ -73,6 +73,18 @@ def _compiled_document_masks(spec, _) -> list[str]:
     return ["training.compile"] if packed else []
 
 
+def _qlora_layouts(spec, _) -> list[str]:
+    if spec.model.lora is None or spec.model.lora.quantize_base == "none":
+        return []
+    return [f"parallelism.{k}" for k in ("tp", "ep") if getattr(spec.parallelism, k) > 1]
+
+
+def _qlora_without_base(spec, _) -> list[str]:
+    if spec.model.lora is None or spec.model.lora.quantize_base == "none" or spec.model.init_from is not None:
+        return []
+    return ["model.lora.quantize_base"]
+
+
 def _synthetic_without_vocab(spec, _) -> list[str]:
     if spec.model.name is None or ":" not in spec.model.name:
         return []
@@ -126,6 +138,21 @@ COMPOSITIONS: tuple[Composition, ...] = (
         message="torch.compile does not trace the one-rank document-masked attention yet (it fails at the first "
         "step); use compile: false, packing: none (chat data), or cp > 1, where it runs",
         fields=_compiled_document_masks,
+    ),
+    Composition(
+        id="qlora_with_tp_or_ep",
+        scope="job",
+        combination="`model.lora.quantize_base: nf4` with `tp > 1` or `ep > 1`",
+        message="a 4-bit NF4 base under tensor or expert parallelism is not built yet; QLoRA runs with dp / "
+        "fully_shard / HSDP (each rank holds the NF4 base whole), pp or cp",
+        fields=_qlora_layouts,
+    ),
+    Composition(
+        id="qlora_without_init_from",
+        scope="job",
+        combination="`model.lora.quantize_base: nf4` without `model.init_from`",
+        message="nf4 quantises a pretrained base: set model.init_from (a Hugging Face checkpoint directory)",
+        fields=_qlora_without_base,
     ),
     Composition(
         id="factory_synthetic_vocab",

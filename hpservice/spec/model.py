@@ -48,6 +48,11 @@ class LoraSpec(_Section):
     )
     use_rslora: bool = Field(False, description="rank-stabilised scaling: lora_alpha / sqrt(r)")
     bias: Literal["none"] = Field("none", description="only 'none' (PEFT's default): biases stay frozen")
+    quantize_base: Literal["none", "nf4"] = Field(
+        "none",
+        description="QLoRA: 'nf4' holds the adapted layers' frozen weights in torchao's 4-bit NF4 (block 64, "
+        "double-quantised scalers), dequantised in the forward; needs model.init_from (docs/lora.md)",
+    )
 
 
 class ModelSpec(_Section):

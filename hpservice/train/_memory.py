@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from hpservice.dtensor import DTensor
+from hpservice.models.lora import is_nf4
 
 __all__ = ["TrainingStateMemory"]
 
@@ -21,6 +22,8 @@ _GIB = 2**30
 
 def _local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if isinstance(t, DTensor) else t
+    if is_nf4(local):  # QLoRA's base: its 4-bit codes and quantised scalers, not the dtype it stands for
+        return sum(_local_bytes(getattr(local, name)) for name in local.__tensor_flatten__()[0])
     return local.numel() * local.element_size()
 
 

@@ -25,7 +25,7 @@ from hpservice.models import (
     resolve_name,
 )
 from hpservice.models.hf import load_hf_weights
-from hpservice.models.lora import LoRALinear, LoraSettings, apply_lora
+from hpservice.models.lora import LoRALinear, LoraSettings, apply_lora, quantize_base_nf4
 from hpservice.parallel import ParallelDims
 from hpservice.spec import JobSpec
 
@@ -78,7 +78,7 @@ def build_meta_model(spec: JobSpec, dims: ParallelDims) -> tuple[ModelSpec, nn.M
 def lora_settings(lora) -> LoraSettings:
     """The spec's ``model.lora`` as the engine's settings."""
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
-    return LoraSettings(lora.r, lora.lora_alpha, lora.lora_dropout, targets, lora.use_rslora)
+    return LoraSettings(lora.r, lora.lora_alpha, lora.lora_dropout, targets, lora.use_rslora, lora.quantize_base)
 
 
 def _apply_lora(model: nn.Module, lora) -> list[str]:
@@ -138,6 +138,8 @@ def build_model_parts(
         for name, param in part.named_parameters():
             if name in frozen:
                 param.requires_grad_(False)
+        if spec.model.lora is not None and spec.model.lora.quantize_base == "nf4":
+            quantize_base_nf4(part)  # QLoRA: each rank's whole base weights (fully_shard leaves them), to NF4
     parts = [part for _, part in stages]
     if dims.pp == 1:
         return parts, None

@@ -13,6 +13,7 @@ import torch.nn as nn
 from hpservice.dtensor import DeviceMesh
 from hpservice.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hpservice.models import ModelSpec
+from hpservice.models.lora import LoRALinear
 from hpservice.models.moe import moe_layers
 from hpservice.parallel import ParallelDims
 from hpservice.parallel.expert_parallel import apply_ep
@@ -59,12 +60,17 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
     correct, but its whole unsharded size is gathered at once."""
     p = spec.parallelism
     mp, offload = _fsdp_policies(spec)
+    # QLoRA: the adapted layers' frozen weights stay whole on each rank, to be held in NF4 (4-bit
+    # with its scalers, ~0.56 bytes a weight); fully_shard shards the rest and the adapters.
+    ignored = None
+    if spec.model.lora is not None and spec.model.lora.quantize_base == "nf4":
+        ignored = {m.weight for m in model.modules() if isinstance(m, LoRALinear)}
     layers = getattr(model, "layers", None)
     blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers) if layers is not None else []
     for i, block in enumerate(blocks):
         reshard = p.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored)
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec, bundle: ModelSpec) -> None:
@@ -117,6 +123,12 @@ def parallelize(
         if dims.ep > 1:  # first: the blocks' fully_shard then leaves the experts to these groups
             apply_expert_fsdp(model, dims, spec)
         apply_fsdp(model, dims.dp_mesh, spec)
+        for module in model.modules():  # what fully_shard left alone (QLoRA's base weights): allocated whole
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.is_meta:
+                    module.register_parameter(
+                        name, nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    )
     else:  # tp alone: allocate each rank's pieces (the styles re-install their gradient hooks)
         if spec.parallelism.mixed_precision != "none" or spec.parallelism.cpu_offload:
             raise TrainingError(refusal("fsdp_options_without_dp"))

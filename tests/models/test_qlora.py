@@ -1,0 +1,151 @@
+"""QLoRA (model.lora.quantize_base: nf4) against the reference we did not write: the frozen
+base's adapted weights held in torchao's NF4 equal peft + transformers computing on the same base
+with those weights replaced by torchao's dequantised NF4 values (logits, 3 AdamW steps on 1 rank
+and with fully_shard over 2), and the refusals name the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpservice.spec import parse_job
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+STEPS = 3
+
+
+def _hf_model(path):
+    """A tiny Qwen3 whose linear weights NF4's blocks divide (64 x 256 elements)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, head_dim=32, vocab_size=128, max_position_embeddings=64,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def _dequantised_base(base, out):
+    """The base with each adapted weight replaced by torchao's NF4 round trip of it: what QLoRA computes with."""
+    import transformers
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in TARGETS:
+                module.weight.copy_(to_nf4(module.weight.detach(), 64, 256).get_original_weight())
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    import peft
+    import transformers
+
+    tmp = tmp_path_factory.mktemp("qlora")
+    base = _hf_model(tmp / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    peft.get_peft_model(model, lora).save_pretrained(tmp / "adapter")
+    return base, tmp / "adapter", _dequantised_base(base, tmp / "dequantised")
+
+
+def _spec(tmp, base, adapter, parallelism=None, quantize="nf4", **extra):
+    return parse_job({
+        "name": "qlora",
+        "model": {"init_from": str(base), "init_adapter": str(adapter),
+                  "lora": {"r": 4, "lora_alpha": 8.0, "target_modules": TARGETS, "quantize_base": quantize}},
+        "data": {"kind": "synthetic", "seq_len": 16, "global_batch": 4},
+        "training": {"steps": STEPS, "max_grad_norm": None},
+        "optimizer": {"lr": 2e-3, "weight_decay": 0.0, "betas": [0.9, 0.95], "eps": 1e-8},
+        "lr_scheduler": {"warmup_steps": 0, "decay": "constant"},
+        "parallelism": parallelism or {},
+        "metrics": {"dir": str(tmp)},
+        **extra,
+    })  # fmt: skip
+
+
+def _train(spec):
+    from hpservice.dtensor import DTensor
+    from hpservice.models.lora import is_nf4
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    batches = [trainer.data(s) for s in range(spec.training.steps)]
+    nf4 = sum(is_nf4(p) for part in trainer.model_parts for p in part.parameters())
+    records = trainer.train()
+    adapters = {}
+    for part in trainer.model_parts:
+        for k, v in part.named_parameters():
+            if k.endswith((".lora_A", ".lora_B")):
+                adapters[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    return [r["loss"] for r in records], [(b.inputs, b.labels) for b in batches], adapters, nf4, records[-1]
+
+
+def _peft_reference(base, adapter, batches):
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)  # fmt: skip
+    losses = []
+    for inputs, labels in batches:
+        logits = model(input_ids=inputs).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+@pytest.mark.parametrize(("world", "parallelism"), [(1, {}), (2, {"dp_shard": 2})], ids=["one", "fsdp2"])
+def test_qlora_trains_as_peft_on_the_dequantised_base(ranks, tmp_path, dirs, world, parallelism):
+    base, adapter, dequantised = dirs
+    outs = ranks(world).run(_train, _spec(tmp_path, base, adapter, parallelism))
+    losses, _, adapters, nf4, record = outs[0]
+    assert nf4 == 2 * 7  # every adapted weight of the 2 blocks is held in NF4
+    batches = [tuple(torch.cat([o[1][s][i] for o in outs]) for i in range(2)) for s in range(STEPS)]
+    want_losses, want_adapters = _peft_reference(dequantised, adapter, batches)
+    assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
+    from hpservice.models.hf import config_from_hf
+    from hpservice.models.peft_adapter import peft_tensors
+
+    cfg = config_from_hf(base)
+    for k, v in adapters.items():  # under PEFT's keys and layout (the export's mapping)
+        module, which = k.rsplit(".", 1)
+        for key, value in peft_tensors(module, which, v, cfg).items():
+            want = want_adapters[key.replace(f".{which}.weight", f".{which}.default.weight")]
+            assert (value - want).abs().max().item() < 1e-5, key
+    # the base's adapted weights: 4-bit codes and their scalers, about an eighth of fp32's bytes
+    adapted = 2 * (4 * 128 * 128 + 3 * 128 * 256)
+    rest = 2 * 128 * 128 + 2 * (2 * 128 + 2 * 32) + 128  # embeddings, head, norms
+    lora_params = sum(v.numel() for v in adapters.values())
+    fp32 = (adapted + rest + lora_params) * 4
+    assert record["params_gib"] * 2**30 < fp32 * 0.4  # NF4 whole on each rank; the rest and adapters sharded
+
+
+def test_qlora_refusals_name_the_field(tmp_path, dirs):
+    from hpservice.preflight import check_composition, check_inputs
+    from hpservice.spec import SpecError
+
+    base, adapter, _ = dirs
+    with pytest.raises(SpecError, match=r"parallelism\.tp"):
+        _spec(tmp_path, base, adapter, {"tp": 2})
+    with pytest.raises(SpecError, match=r"model\.lora\.quantize_base"):
+        parse_job({"name": "q", "model": {"name": "llama", "lora": {"r": 4, "lora_alpha": 8, "quantize_base": "nf4"}}})
+    # the tiny llama's k/v weights (32 x 64) do not divide into NF4's blocks: named before start
+    spec = parse_job({"name": "q", "model": {"init_from": str(base), "lora": {"r": 4, "lora_alpha": 8, "quantize_base": "nf4"}}})
+    assert check_composition(spec) + check_inputs(spec) == []
+    from tests.models.test_lora import _hf_model as small_model
+
+    small = small_model(tmp_path / "small", "llama")
+    spec = parse_job({"name": "q", "model": {"init_from": str(small), "lora": {"r": 4, "lora_alpha": 8, "quantize_base": "nf4"}}})
+    errors = dict(check_composition(spec) + check_inputs(spec))
+    assert "divisible by 64 x 256" in errors["model.lora.quantize_base"]
