@@ -12,6 +12,7 @@ from hpservice.bench import (
     fsdp,
     gpu,
     hf,
+    lora,
     moe,
     overhead,
     plan,
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     moe.add_parser(sub)
     scheduler.add_parser(sub)
     sft.add_parser(sub)
+    lora.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -39,3 +39,16 @@ def test_overhead_bench_runs_both_launchers():
     for key in ("step_time_ratio_vs_torchrun", "torchrun_step_ms", "hpservice_step_ms"):
         assert r[key] > 0, key
     assert "hpservice run / torchrun" in out
+
+
+def test_lora_bench_measures_what_it_counts():
+    """Full fine-tuning, LoRA and QLoRA on one model: each row's measured training state per rank
+    equals its analytic count (AdamW's step scalars and NF4's per-tensor constants aside)."""
+    out, r = _bench("lora", "--dim", "128", "--layers", "1", "--steps", "1", "--seq-len", "32", own_process=False)
+    rows = r["rows"]
+    for mode, row in rows.items():
+        for part in ("params", "grads", "optimizer_state"):
+            measured, counted = row[f"{part}_bytes"], row["analytic"][part]
+            assert counted <= measured <= counted * 1.01 + 4096, (mode, part, measured, counted)
+    assert rows["qlora"]["state_bytes"] < rows["lora"]["state_bytes"] < rows["full"]["state_bytes"]
+    assert r["qlora_vs_lora_max_loss_diff"] < 0.05 and "QLoRA vs LoRA" in out
