@@ -22,6 +22,7 @@ __all__ = ["METRICS", "SINKS", "Metric", "progress_line", "scalars", "step_recor
 SINKS = ("jsonl", "sse", "line", "tensorboard", "mlflow", "wandb", "prometheus")
 _ALL = frozenset(SINKS)
 _NOT_LINE = _ALL - {"line"}
+_NOT_PROMETHEUS = _NOT_LINE - {"prometheus"}  # a Prometheus name has no "/" (TRL's DPO names do)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,19 @@ METRICS: tuple[Metric, ...] = (
     Metric("epoch", "", "epochs of the data completed at the step's start", when="chat data"),
     Metric("packing_efficiency", "", "conversation tokens over all positions of the step's global batch",
            when="chat data"),
+    # DPO (objective.kind dpo): TRL DPOTrainer's names and meanings, means over the step's pairs
+    Metric("rewards/chosen", "nats", "beta x (policy - reference) log-probability of the chosen answers", when="DPO",
+           sinks=_NOT_PROMETHEUS),
+    Metric("rewards/rejected", "nats", "beta x (policy - reference) log-probability of the rejected answers",
+           when="DPO", sinks=_NOT_PROMETHEUS),
+    Metric("rewards/accuracies", "", "share of pairs whose chosen reward exceeds the rejected one",
+           line="acc {value:.2f}", when="DPO", sinks=_NOT_PROMETHEUS),
+    Metric("rewards/margins", "nats", "chosen minus rejected reward", line="margin {value:.3f}", when="DPO",
+           sinks=_NOT_PROMETHEUS),
+    Metric("logps/chosen", "nats", "policy log-probability of the chosen answers (sum over their tokens)", when="DPO",
+           sinks=_NOT_PROMETHEUS),
+    Metric("logps/rejected", "nats", "policy log-probability of the rejected answers", when="DPO",
+           sinks=_NOT_PROMETHEUS),
     Metric("val_loss", "nats", "validation loss: the mean over eval.steps batches", line="val_loss {value:.4f}",
            when="evaluation steps"),
     Metric("val_ppl", "", "validation perplexity, exp(val_loss)", when="evaluation steps"),

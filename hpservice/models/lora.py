@@ -76,6 +76,7 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Parameter(torch.empty(settings.r, in_features, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.empty(out_features, settings.r, device=device, dtype=dtype))
         self.lora_dropout = nn.Dropout(settings.lora_dropout) if settings.lora_dropout > 0 else nn.Identity()
+        self.adapters_enabled = True  # False: the base layer alone (DPO's reference, PEFT's disable_adapter)
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -108,6 +109,8 @@ class LoRALinear(nn.Linear):
             base = base + self.bias if self.bias is not None else base
         else:
             base = F.linear(x, self.weight, self.bias)
+        if not self.adapters_enabled:
+            return base
         return base + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def extra_repr(self) -> str:

@@ -85,6 +85,46 @@ def _qlora_without_base(spec, _) -> list[str]:
     return ["model.lora.quantize_base"]
 
 
+def _objective_without_its_data(spec, _) -> list[str]:
+    dpo, pairs = spec.objective.kind == "dpo", spec.data.kind == "preference"
+    if dpo and not pairs:
+        return ["objective.kind"]
+    if pairs and not dpo:
+        return ["data.kind"]
+    if spec.eval.data is not None and spec.eval.data.kind == "preference" and not dpo:
+        return ["eval.data.kind"]
+    return []
+
+
+def _dpo_layouts(spec, _) -> list[str]:
+    if spec.objective.kind != "dpo":
+        return []
+    p = spec.parallelism
+    return [f"parallelism.{k}" for k in ("pp", "cp") if getattr(p, k) > 1] + (["eval.interval"] if spec.eval.interval else [])
+
+
+def _dpo_reference(spec, _) -> list[str]:
+    o, m = spec.objective, spec.model
+    if o.kind != "dpo":
+        return []
+    if o.reference == "precomputed":
+        return ["objective.reference"]
+    if o.reference in ("adapters_off", "initial_adapter") and m.lora is None:
+        return ["objective.reference"]
+    if o.reference == "initial_adapter" and m.init_adapter is None:
+        return ["objective.reference"]
+    return []
+
+
+def _reference_reason(spec) -> str:
+    r = spec.objective.reference
+    if r == "precomputed":
+        return "precomputed reference log-probabilities are not built yet; use auto (copy, or adapters_off with LoRA)"
+    if spec.model.lora is None:
+        return f"{r} needs model.lora (the reference is the model with its adapters off or at their start)"
+    return "initial_adapter needs model.init_adapter (the adapter the reference keeps frozen)"
+
+
 def _synthetic_without_vocab(spec, _) -> list[str]:
     if spec.model.name is None or ":" not in spec.model.name:
         return []
@@ -153,6 +193,31 @@ COMPOSITIONS: tuple[Composition, ...] = (
         combination="`model.lora.quantize_base: nf4` without `model.init_from`",
         message="nf4 quantises a pretrained base: set model.init_from (a Hugging Face checkpoint directory)",
         fields=_qlora_without_base,
+    ),
+    Composition(
+        id="objective_and_data",
+        scope="job",
+        combination="`objective.kind: dpo` without `data.kind: preference`, or preference data with `objective.kind: sft`",
+        message="DPO trains on preference pairs and preference pairs train only with DPO: set objective.kind dpo and "
+        "data.kind preference together",
+        fields=_objective_without_its_data,
+    ),
+    Composition(
+        id="dpo_layouts",
+        scope="job",
+        combination="`objective.kind: dpo` with `pp > 1`, `cp > 1` or `eval.interval`",
+        message="DPO under pipeline or context parallelism, and its evaluation, are not built yet; DPO runs with dp / "
+        "fully_shard / HSDP and tp",
+        fields=_dpo_layouts,
+    ),
+    Composition(
+        id="dpo_reference",
+        scope="job",
+        combination="`objective.reference` that the model cannot give: adapters_off or initial_adapter without "
+        "`model.lora`, initial_adapter without `model.init_adapter`, or precomputed",
+        message="{reason}",
+        fields=_dpo_reference,
+        facts=lambda spec, _, field: {"reason": _reference_reason(spec)},
     ),
     Composition(
         id="factory_synthetic_vocab",

@@ -151,10 +151,11 @@ class ChatSourceSpec(_Section):
 
 
 class DataSpec(_Section):
-    kind: Literal["synthetic", "tokens", "text", "chat"] = Field(
+    kind: Literal["synthetic", "tokens", "text", "chat", "preference"] = Field(
         "synthetic",
-        description="synthetic tokens, a .bin token file, a text file, or conversations (chat: JSONL / Parquet / a "
-        "datasets directory, rendered with the model's chat template; docs/fine-tuning.md)",
+        description="synthetic tokens, a .bin token file, a text file, conversations (chat: JSONL / Parquet / a "
+        "datasets directory, rendered with the model's chat template; docs/fine-tuning.md), or preference pairs "
+        "{prompt, chosen, rejected} for objective.kind dpo (docs/dpo.md)",
     )
     path: str | None = Field(
         None,
@@ -224,12 +225,23 @@ class DataSpec(_Section):
     @model_validator(mode="after")
     def _chat_fields(self):
         chat_only = ("sources", "format", "fields", "chat_template", "train_on", "train_eos", "packing", "truncation", "on_bad_record")
+        # preference pairs take the tokenizer's template, the field names, truncation and the bad-record policy
+        pair_fields = ("fields", "chat_template", "truncation", "on_bad_record")
+        for name in chat_only:  # a default value is no setting (a dumped spec carries every field)
+            if self.kind == "chat" or (self.kind == "preference" and name in pair_fields):
+                continue
+            field = type(self).model_fields[name]
+            default = field.default_factory() if field.default_factory is not None else field.default
+            if getattr(self, name) != default:
+                kinds = "'chat' and 'preference'" if name in pair_fields else "'chat'"
+                raise ValueError(f"data.{name} applies to kind {kinds}, not {self.kind!r}")
+        if self.kind == "preference":
+            if not self.path:
+                raise ValueError("data.path is required for kind 'preference' (a .jsonl or .parquet file, a glob, or a datasets directory)")
+            for key in self.fields:
+                if key not in ("prompt", "chosen", "rejected"):
+                    raise ValueError(f"data.fields.{key}: not a field of preference pairs; their fields: prompt, chosen, rejected")
         if self.kind != "chat":
-            for name in chat_only:  # a default value is no setting (a dumped spec carries every field)
-                field = type(self).model_fields[name]
-                default = field.default_factory() if field.default_factory is not None else field.default
-                if getattr(self, name) != default:
-                    raise ValueError(f"data.{name} applies to kind 'chat', not {self.kind!r}")
             return self
         if bool(self.path) == bool(self.sources):
             raise ValueError("data.path or data.sources (one of them) is required for kind 'chat'")
@@ -247,12 +259,45 @@ class DataSpec(_Section):
     def _path_for_files(self):
         if self.kind in ("tokens", "text") and not self.path:
             raise ValueError(f"data.path is required for kind {self.kind!r}")
-        if self.tokenizer is not None and self.kind not in ("text", "chat"):
-            raise ValueError(f"data.tokenizer applies to kinds 'text' and 'chat' (a 'tokens' file is already tokenized), not {self.kind!r}")
+        if self.tokenizer is not None and self.kind not in ("text", "chat", "preference"):
+            raise ValueError(f"data.tokenizer applies to kinds 'text', 'chat' and 'preference' (a 'tokens' file is already tokenized), not {self.kind!r}")
         unrecorded = self.kind == "synthetic" or (self.kind == "text" and self.tokenizer is None)  # no prepare-data file
         if self.document_mask and self.eos_id is None and unrecorded:
             what = "synthetic tokens" if self.kind == "synthetic" else "byte-level text"
             raise ValueError(f"data.document_mask with {what} needs data.eos_id (the token that ends a document)")
+        return self
+
+
+class ObjectiveSpec(_Section):
+    """What the training minimises: next-token cross entropy (sft), or Direct Preference
+    Optimization on preference pairs (dpo), in TRL's ``DPOConfig`` vocabulary (docs/dpo.md)."""
+
+    kind: Literal["sft", "dpo"] = Field("sft", description="sft: cross entropy on the data's labels; dpo: preference pairs (data.kind preference)")
+    beta: float = Field(0.1, gt=0, le=100, description="dpo: the strength of the reference's pull (TRL's beta; ipo: its tau)")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
+        "sigmoid",
+        description="dpo: sigmoid (DPO), ipo (length-normalised, as TRL's), hinge (SLiC), robust (label-smoothed, "
+        "rDPO); each as TRL's DPOTrainer computes it",
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, loss_type robust: the share of pairs assumed flipped")
+    reference: Literal["auto", "adapters_off", "initial_adapter", "copy", "precomputed"] = Field(
+        "auto",
+        description="dpo: the reference model. auto: with model.lora the model with its adapters off (a fresh "
+        "adapter) or a frozen copy of model.init_adapter's (initial_adapter); without, a frozen copy of the model "
+        "sharded like it (copy)",
+    )
+
+    @model_validator(mode="after")
+    def _dpo_only(self):
+        if self.kind == "sft":
+            for name in ("beta", "loss_type", "label_smoothing", "reference"):
+                field = type(self).model_fields[name]
+                if getattr(self, name) != field.default:
+                    raise ValueError(f"objective.{name} applies to objective.kind dpo, not sft")
+        if self.label_smoothing > 0 and self.loss_type != "robust":
+            raise ValueError(
+                f"objective.label_smoothing: TRL's {self.loss_type} loss has none; use loss_type robust (rDPO)"
+            )
         return self
 
 
@@ -630,6 +675,7 @@ class JobSpec(_Section):
     )
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     lr_scheduler: LRSchedulerSpec = Field(default_factory=LRSchedulerSpec)

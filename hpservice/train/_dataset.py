@@ -86,7 +86,7 @@ def chat_inputs(d, init_from: str | None):
 
     tokenizer = d.tokenizer or init_from
     if tokenizer is None:
-        raise TrainingError("data.tokenizer: kind 'chat' needs a tokenizer directory (or model.init_from's)")
+        raise TrainingError(f"data.tokenizer: kind {d.kind!r} needs a tokenizer directory (or model.init_from's)")
     sources = [([s.path], s.weight) for s in d.sources] if d.sources else [([d.path], 1.0)]
     try:
         tok = load_chat_tokenizer(tokenizer, template_text(d.chat_template))
@@ -126,17 +126,38 @@ def _chat(d, vocab: int | None, run_dir: Path, rank: int, world: int, init_from:
     top = int(np.asarray(corpus.tokens).max())
     if vocab is not None and top >= vocab:
         raise TrainingError(f"data.tokenizer: token id {top} is outside the model's vocabulary of {vocab}")
-    pad = tok.special_tokens.get("pad_token") or tok.special_tokens.get("eos_token")
-    pad_id = 0
-    if pad is not None:
-        from tokenizers import Tokenizer
+    return ChatSource(corpus, seq_len=d.seq_len, seed=d.seed, packing=d.packing, weights=weights, vocab_size=vocab, pad_id=_pad_id(tok))
 
-        pad_id = Tokenizer.from_str(tok.tokenizer_json).token_to_id(pad) or 0
-    return ChatSource(corpus, seq_len=d.seq_len, seed=d.seed, packing=d.packing, weights=weights, vocab_size=vocab, pad_id=pad_id)
+
+def _preference(d, vocab: int | None, init_from: str | None) -> TokenSource:
+    """Preference pairs (DPO), encoded by every rank alike (``hpservice.data.preference``)."""
+    from hpservice.data.preference import PreferenceSource, encode_preferences
+
+    _, _, tok = chat_inputs(d, init_from)
+    try:
+        pairs = encode_preferences([d.path], tok, seq_len=d.seq_len, fields=dict(d.fields), truncation=d.truncation,
+                                   on_bad_record=d.on_bad_record)  # fmt: skip
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"data: {e}") from e
+    source = PreferenceSource(pairs, seq_len=d.seq_len, seed=d.seed, vocab_size=vocab, pad_id=_pad_id(tok))
+    if vocab is not None and source.max_token >= vocab:
+        raise TrainingError(f"data.tokenizer: token id {source.max_token} is outside the model's vocabulary of {vocab}")
+    return source
+
+
+def _pad_id(tok) -> int:
+    pad = tok.special_tokens.get("pad_token") or tok.special_tokens.get("eos_token")
+    if pad is None:
+        return 0
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tok.tokenizer_json).token_to_id(pad) or 0
 
 
 def build_dataset(d, vocab: int | None, run_dir: Path, *, rank: int, world: int, init_from: str | None = None) -> TokenSource:
     """The source of a data section (``data`` or ``eval.data``) by its kind."""
+    if d.kind == "preference":
+        return _preference(d, vocab, init_from)
     if d.kind == "chat":
         return _chat(d, vocab, run_dir, rank, world, init_from)
     if d.kind == "text" and d.tokenizer is not None:

@@ -35,6 +35,7 @@ from hpservice.spec.composition import refusal
 from ._compile import check_compile_available
 from ._dataset import build_data
 from ._distributed import init_distributed, pick_device
+from ._dpo import DPOLoss, build_reference, reference_logps
 from ._errors import TrainingError
 from ._evaluate import Evaluator
 from ._forward import attention, micro_batch_loss
@@ -108,6 +109,7 @@ class Trainer:
             ranks=dims.dp_size * dims.cp, batch_mesh=lambda: dims.batch_mesh, compile=spec.training.compile
         )
         self.model_parts, self.pipeline = build_model_parts(bundle, whole, frozen, dims, spec, self.device, self.loss)
+        self.dpo, self.reference = self._build_dpo(bundle, dims)  # before a resume: the reference is the start
         self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = build_lr_scheduler(self.optimizer, spec)
         self.memory = TrainingStateMemory(self.model_parts, self.optimizer, whole, frozen)
@@ -145,6 +147,21 @@ class Trainer:
             self._profiler = StepProfiler(spec.metrics.profile, spec.artifacts_dir(), self.rank, self.device)
 
     # ---- builds -------------------------------------------------------------------------------
+    def _build_dpo(self, bundle, dims: ParallelDims):
+        """DPO's loss and reference (``objective.kind: dpo``), else (None, None)."""
+        spec = self.spec
+        if spec.objective.kind != "dpo":
+            return None, None
+
+        def frozen_copy() -> list[nn.Module]:
+            _, whole, _ = build_meta_model(spec, dims)
+            everything = {n for n, _ in whole.named_parameters()}
+            parts, _ = build_model_parts(bundle, whole, everything, dims, spec, self.device, self.loss)
+            return parts
+
+        loss = DPOLoss(spec.objective, ranks=dims.dp_size * dims.cp, batch_mesh=lambda: dims.batch_mesh)
+        return loss, build_reference(spec.objective, spec, self.model_parts, frozen_copy)
+
     def _name_run(self, spec: JobSpec) -> JobSpec:
         """Run directly (torchrun, tests), a spec has no run id: rank 0 names the run for all."""
         if spec.run_id is not None:
@@ -229,6 +246,8 @@ class Trainer:
         through the pipeline's stages (the loss on the last), or one after another."""
         spec, dims = self.spec, self.parallel_dims
         n_micro = spec.parallelism.microbatches(spec.training.grad_accum) if self.pipeline else 1
+        if self.dpo is not None:
+            return self._dpo_forward_backward(batch)
         self.loss.begin(
             batch,
             global_tokens=self.data.global_tokens,
@@ -251,6 +270,20 @@ class Trainer:
             with attention(part, dims):  # backward too: checkpointing recomputes there
                 loss = micro_batch_loss(self.model, part, dims, self.loss)
                 loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def _dpo_forward_backward(self, batch) -> torch.Tensor:
+        """DPO: each micro-batch's pairs through the reference (no gradients) and the policy."""
+        self.dpo.begin(batch)
+        loss_sum = torch.zeros((), device=self.device)
+        accum = self.spec.training.grad_accum
+        for micro, part in enumerate(batch.chunk(accum)):  # rows [c0, r0, ...]: an even split keeps pairs whole
+            if self.parallel_dims.dp_mesh is not None:
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+            ref = reference_logps(self.reference, part.inputs, part.labels)
+            loss = self.dpo(self.model(part.inputs), part.labels, ref)
+            loss.backward()
             loss_sum += loss.detach()
         return loss_sum
 
@@ -288,6 +321,8 @@ class Trainer:
             **self.utilisation.record(tokens / elapsed / self.world),
             **self.memory.record(),
         }
+        if self.dpo is not None:
+            values.update(self.dpo.metrics())
         for hook in self.post_optimizer_hooks:
             values.update(hook())
         interval = spec.eval.interval

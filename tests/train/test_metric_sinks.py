@@ -19,6 +19,7 @@ from .._jobs import train as _run
 
 CUDA_ONLY = {m.name for m in METRICS if m.when == "CUDA"}
 CHAT_ONLY = {m.name for m in METRICS if "chat" in m.when}  # tests/train/test_chat_training.py reports them
+DPO_ONLY = {m.name for m in METRICS if m.when == "DPO"}  # tests/train/test_dpo.py reports and checks them
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def moe_run(ranks, tmp_path_factory):
 def test_the_run_reports_every_metric_but_the_cuda_ones(moe_run):
     history, _ = moe_run
     reported = {k for r in history for k in r} - {"step", "time"}
-    assert reported == {m.name for m in METRICS} - CUDA_ONLY - CHAT_ONLY
+    assert reported == {m.name for m in METRICS} - CUDA_ONLY - CHAT_ONLY - DPO_ONLY
 
 
 def test_metrics_jsonl_and_the_stream_carry_every_record_whole(moe_run):
@@ -132,7 +133,7 @@ def test_the_progress_line_has_its_metrics():
     )
     assert {m.name for m in METRICS if "line" in m.sinks} == {
         "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "expert_imbalance", "moe_aux_loss", "val_loss",
-        "trained_tokens",
+        "trained_tokens", "rewards/accuracies", "rewards/margins",
     }  # fmt: skip
 
 
