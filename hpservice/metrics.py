@@ -92,6 +92,8 @@ METRICS: tuple[Metric, ...] = (
            sinks=_NOT_PROMETHEUS),
     Metric("logps/rejected", "nats", "policy log-probability of the rejected answers", when="DPO",
            sinks=_NOT_PROMETHEUS),
+    Metric("reference_gib", "GiB", "rank 0's DPO reference: a frozen copy's parameter pieces, the starting "
+           "adapter's copy, or 0 with the adapters switched off", when="DPO"),
     Metric("val_loss", "nats", "validation loss: the mean over eval.steps batches", line="val_loss {value:.4f}",
            when="evaluation steps"),
     Metric("val_ppl", "", "validation perplexity, exp(val_loss)", when="evaluation steps"),

@@ -9,6 +9,7 @@ from hpservice.bench import (
     ac,
     checkpoint,
     cp,
+    dpo,
     fsdp,
     gpu,
     hf,
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.add_parser(sub)
     sft.add_parser(sub)
     lora.add_parser(sub)
+    dpo.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -141,6 +141,9 @@ class _AdaptersOff:
         self.parts = parts
         self.layers = [m for part in parts for m in part.modules() if isinstance(m, LoRALinear)]
 
+    def held_bytes(self) -> int:
+        return 0  # the policy's own weights
+
     @contextlib.contextmanager
     def model(self):
         for m in self.layers:
@@ -164,6 +167,9 @@ class _InitialAdapter:
         _reshard(parts)
         self.params = [p for part in parts for n, p in part.named_parameters() if n.endswith((".lora_A", ".lora_B"))]
         self.initial = [_local(p).detach().clone() for p in self.params]
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.initial)
 
     @contextlib.contextmanager
     def model(self):
@@ -189,6 +195,11 @@ class _FrozenCopy:
         for part in parts:
             part.requires_grad_(False)
             part.eval()
+
+    def held_bytes(self) -> int:
+        from ._memory import local_bytes
+
+        return sum(local_bytes(p) for part in self.parts for p in part.parameters())
 
     @contextlib.contextmanager
     def model(self):

@@ -15,15 +15,15 @@ import torch.nn as nn
 from hpservice.dtensor import DTensor
 from hpservice.models.lora import is_nf4
 
-__all__ = ["TrainingStateMemory"]
+__all__ = ["TrainingStateMemory", "local_bytes"]
 
 _GIB = 2**30
 
 
-def _local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if isinstance(t, DTensor) else t
     if is_nf4(local):  # QLoRA's base: its 4-bit codes and quantised scalers, not the dtype it stands for
-        return sum(_local_bytes(getattr(local, name)) for name in local.__tensor_flatten__()[0])
+        return sum(local_bytes(getattr(local, name)) for name in local.__tensor_flatten__()[0])
     return local.numel() * local.element_size()
 
 
@@ -45,11 +45,11 @@ class TrainingStateMemory:
     def record(self) -> dict:
         params = {id(p): p for part in self.model_parts for p in part.parameters()}.values()
         optimizer_state = sum(
-            _local_bytes(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            local_bytes(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
         )
         return {
             **self.counts,
-            "params_gib": sum(_local_bytes(p) for p in params) / _GIB,
-            "grads_gib": sum(_local_bytes(p) for p in params if p.requires_grad) / _GIB,
+            "params_gib": sum(local_bytes(p) for p in params) / _GIB,
+            "grads_gib": sum(local_bytes(p) for p in params if p.requires_grad) / _GIB,
             "optimizer_state_gib": optimizer_state / _GIB,
         }

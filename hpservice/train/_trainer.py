@@ -322,7 +322,7 @@ class Trainer:
             **self.memory.record(),
         }
         if self.dpo is not None:
-            values.update(self.dpo.metrics())
+            values.update(self.dpo.metrics(), reference_gib=self.reference.held_bytes() / 2**30)
         for hook in self.post_optimizer_hooks:
             values.update(hook())
         interval = spec.eval.interval

@@ -52,3 +52,14 @@ def test_lora_bench_measures_what_it_counts():
             assert counted <= measured <= counted * 1.01 + 4096, (mode, part, measured, counted)
     assert rows["qlora"]["state_bytes"] < rows["lora"]["state_bytes"] < rows["full"]["state_bytes"]
     assert r["qlora_vs_lora_max_loss_diff"] < 0.05 and "QLoRA vs LoRA" in out
+
+
+def test_dpo_bench_reports_each_reference_next_to_sft():
+    out, r = _bench("dpo", "--dim", "128", "--layers", "1", "--steps", "1", "--seq-len", "48", "--pairs", "2", own_process=False)
+    rows = r["rows"]
+    assert set(rows) == {"sft full", "sft lora", "dpo lora, adapters off", "dpo lora, initial adapter", "dpo full, copy"}
+    assert rows["dpo lora, adapters off"]["reference_bytes"] == 0
+    adapter = rows["dpo lora, initial adapter"]["reference_bytes"]
+    assert adapter > 0 and adapter == rows["dpo lora, initial adapter"]["grads_bytes"]  # the adapter's size, once
+    assert rows["dpo full, copy"]["reference_bytes"] == rows["dpo full, copy"]["params_bytes"]  # sharded like the policy
+    assert all(row["step_s"] > 0 for row in rows.values()) and "reference" in out
