@@ -239,7 +239,7 @@ def input_files(spec: JobSpec) -> list[tuple[str, str, str]]:
     for prefix, data in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
         if data is None:
             continue
-        if data.kind == "chat":  # globs, directories, weighted sources: _chat_errors reads them
+        if data.kind in ("chat", "preference"):  # globs, directories, weighted sources: _chat_errors reads them
             continue
         if data.path is not None and data.kind != "synthetic":
             found.append((f"{prefix}.path", data.path, "file"))
@@ -272,7 +272,7 @@ def check_inputs(spec: JobSpec, visible: Callable[[Path], bool] = lambda p: True
         elif field == "model.init_adapter":
             errors += _adapter_errors(spec, raw, path)
     for prefix, data in (("data", spec.data), ("eval.data", spec.eval.data if spec.eval.interval else None)):
-        if data is not None and data.kind == "chat":
+        if data is not None and data.kind in ("chat", "preference"):
             errors += _chat_errors(prefix, data, spec.model.init_from, visible)
     return errors
 
@@ -291,13 +291,13 @@ def _chat_errors(prefix: str, d, init_from: str | None, visible: Callable[[Path]
     errors: Errors = []
     tok_path = d.tokenizer or init_from
     if tok_path is None:
-        errors.append((f"{prefix}.tokenizer", "kind 'chat' needs a tokenizer directory (tokenizer.json and "
+        errors.append((f"{prefix}.tokenizer", f"kind {d.kind!r} needs a tokenizer directory (tokenizer.json and "
                        "tokenizer_config.json), or model.init_from's"))  # fmt: skip
     elif visible(Path(tok_path)):
         field = f"{prefix}.tokenizer" if d.tokenizer else "model.init_from"
         try:
             tok = load_chat_tokenizer(tok_path, template_text(d.chat_template))
-            if tok.template is None:
+            if tok.template is None and d.kind == "chat":  # preference pairs of strings need none
                 errors.append((f"{prefix}.chat_template", f"the tokenizer at {tok_path} has no chat template; give one "
                                "(inline, or a .jinja file)"))  # fmt: skip
             else:
@@ -320,19 +320,32 @@ def _chat_errors(prefix: str, d, init_from: str | None, visible: Callable[[Path]
     return errors
 
 
+def _record_error(record, d) -> str | None:
+    """Why ``record`` does not match the section's declared shape (never rendering a template)."""
+    from hpservice.data.chat import RecordError, to_conversation
+    from hpservice.data.preference import check_record
+
+    try:
+        if d.kind == "preference":
+            check_record(record, d.fields)
+        else:
+            to_conversation(record, d.format, d.fields, d.train_on)
+    except RecordError as e:
+        return f"{e} ({'preference pairs' if d.kind == 'preference' else f'format {d.format!r}'})"
+    return None
+
+
 def _chat_sample_errors(field: str, f: str, d) -> Errors:
-    from hpservice.data.chat import RecordError, read_records, to_conversation
+    from hpservice.data.chat import read_records
     from hpservice.inputs import InputError
 
     seen = 0
     try:
         for where, record in read_records(f):
             seen += 1
-            try:
-                to_conversation(record, d.format, d.fields, d.train_on)
-            except RecordError as e:
-                if d.on_bad_record == "error":
-                    return [(field, f"{where}: {e} (format {d.format!r})")]
+            problem = _record_error(record, d)
+            if problem is not None and d.on_bad_record == "error":
+                return [(field, f"{where}: {problem}")]
             if seen == CHAT_SAMPLE:
                 break
     except InputError:

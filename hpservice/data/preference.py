@@ -38,7 +38,7 @@ from .chat._formats import RecordError, _messages
 from .chat._records import expand_paths, read_records
 from .chat._template import ChatTemplate
 
-__all__ = ["PREFERENCE_FIELDS", "PreferencePairs", "PreferenceSource", "encode_preferences"]
+__all__ = ["PREFERENCE_FIELDS", "PreferencePairs", "PreferenceSource", "check_record", "encode_preferences"]
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 TAG_PREFERENCE_ORDER = 12
@@ -62,6 +62,28 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def check_record(record, fields: dict[str, str]) -> dict:
+    """The record's prompt, chosen and rejected, checked for shape without rendering anything (the
+    service checks a sample before start; a template is a tenant's code and runs only in the job)."""
+    if not isinstance(record, dict):
+        raise RecordError("record", f"expected an object, got {type(record).__name__}")
+    values = {}
+    for name in PREFERENCE_FIELDS:
+        key = fields.get(name, name)
+        if record.get(key) is None:
+            raise RecordError(key, "missing")
+        values[name] = record[key]
+    strings = {isinstance(v, str) for v in values.values()}
+    if len(strings) != 1:
+        raise RecordError(fields.get("prompt", "prompt"), "prompt, chosen and rejected must all be strings or all lists of messages")
+    if strings == {False}:
+        for name in PREFERENCE_FIELDS:
+            _messages(values[name], fields.get(name, name), "role", "content")
+    if values["chosen"] == values["rejected"]:
+        raise RecordError(fields.get("rejected", "rejected"), "identical to chosen: the pair prefers nothing")
+    return values
+
+
 class _Encoder:
     def __init__(self, tok: ChatTokenizer):
         from tokenizers import Tokenizer
@@ -73,19 +95,8 @@ class _Encoder:
 
     def encode(self, record, fields: dict[str, str]) -> tuple[list[int], list[int], list[int]]:
         """(prompt ids, prompt + chosen ids, prompt + rejected ids) of one record."""
-        if not isinstance(record, dict):
-            raise RecordError("record", f"expected an object, got {type(record).__name__}")
-        values = {}
-        for name in PREFERENCE_FIELDS:
-            key = fields.get(name, name)
-            if record.get(key) is None:
-                raise RecordError(key, "missing")
-            values[name] = record[key]
+        values = check_record(record, fields)
         kinds = {name: isinstance(v, str) for name, v in values.items()}
-        if len(set(kinds.values())) != 1:
-            raise RecordError(fields.get("prompt", "prompt"), "prompt, chosen and rejected must all be strings or all lists of messages")
-        if values["chosen"] == values["rejected"]:
-            raise RecordError(fields.get("rejected", "rejected"), "identical to chosen: the pair prefers nothing")
         if kinds["prompt"]:
             enc = lambda text: self.tokenizer.encode(text, add_special_tokens=True).ids  # noqa: E731
             end = lambda text: text if self.eos is None or text.endswith(self.eos) else text + self.eos  # noqa: E731

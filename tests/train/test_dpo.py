@@ -212,3 +212,9 @@ def test_dpo_refusals_name_the_field(dirs, tmp_path):
         encode_preferences([str(bad)], tok, seq_len=32)
     with pytest.raises(ValueError, match=r"no usable preference pair"):  # both skipped, counted
         encode_preferences([str(bad)], tok, seq_len=32, on_bad_record="skip")
+    # before start (validate, submit): a sample of the file, naming the field, the file and line
+    from hpservice.preflight import check_inputs
+
+    spec = parse_job({"name": "x", "model": {"init_from": str(dirs["base"])}, "objective": {"kind": "dpo"},
+                      "data": {"kind": "preference", "path": str(bad)}})  # fmt: skip
+    assert dict(check_inputs(spec))["data.path"] == f"{bad}:1: rejected: missing (preference pairs)"
