@@ -107,8 +107,6 @@ def _dpo_reference(spec, _) -> list[str]:
     o, m = spec.objective, spec.model
     if o.kind != "dpo":
         return []
-    if o.reference == "precomputed":
-        return ["objective.reference"]
     if o.reference in ("adapters_off", "initial_adapter") and m.lora is None:
         return ["objective.reference"]
     if o.reference == "initial_adapter" and m.init_adapter is None:
@@ -118,8 +116,6 @@ def _dpo_reference(spec, _) -> list[str]:
 
 def _reference_reason(spec) -> str:
     r = spec.objective.reference
-    if r == "precomputed":
-        return "precomputed reference log-probabilities are not built yet; use auto (copy, or adapters_off with LoRA)"
     if spec.model.lora is None:
         return f"{r} needs model.lora (the reference is the model with its adapters off or at their start)"
     return "initial_adapter needs model.init_adapter (the adapter the reference keeps frozen)"
@@ -214,7 +210,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
         id="dpo_reference",
         scope="job",
         combination="`objective.reference` that the model cannot give: adapters_off or initial_adapter without "
-        "`model.lora`, initial_adapter without `model.init_adapter`, or precomputed",
+        "`model.lora`, or initial_adapter without `model.init_adapter`",
         message="{reason}",
         fields=_dpo_reference,
         facts=lambda spec, _, field: {"reason": _reference_reason(spec)},

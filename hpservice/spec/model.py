@@ -284,7 +284,8 @@ class ObjectiveSpec(_Section):
         "auto",
         description="dpo: the reference model. auto: with model.lora the model with its adapters off (a fresh "
         "adapter) or a frozen copy of model.init_adapter's (initial_adapter); without, a frozen copy of the model "
-        "sharded like it (copy)",
+        "sharded like it (copy). precomputed: the model's own log-probabilities as it starts, in one pass before "
+        "training (no reference model held)",
     )
 
     @model_validator(mode="after")

@@ -22,7 +22,11 @@ The reference is the model as DPO starts, computed without gradients:
 - ``initial_adapter`` (LoRA from ``model.init_adapter``): the same model with a frozen copy of the
   starting adapter swapped in (adapter-sized; TRL's "ref" adapter);
 - ``copy`` (full fine-tuning): a second model built like the policy, every parameter frozen and
-  sharded the same way (no gradients, no optimizer state).
+  sharded the same way (no gradients, no optimizer state);
+- ``precomputed``: the policy's own log-probabilities as it starts, for every micro-batch of every
+  step, in one pass before training (TRL's ``precompute_ref_log_probs``): no reference model during
+  training. They are computed again from the job's inputs when a run resumes (before the
+  checkpoint is loaded), so a resume sees the same values.
 """
 
 from __future__ import annotations
@@ -126,6 +130,15 @@ class DPOLoss:
 # ---- the reference ---------------------------------------------------------------------------------
 
 
+class _Live:
+    """A reference computed by a forward: ``logps`` of a micro-batch under ``model()``."""
+
+    @torch.no_grad()
+    def logps(self, inputs, labels, step: int, micro: int) -> torch.Tensor:
+        with self.model() as model:
+            return sequence_logps(model(inputs), labels)[0]
+
+
 def _reshard(parts: list[nn.Module]) -> None:
     """Every fully_shard module back on its sharded parameters (none left gathered from a forward)."""
     for part in parts:
@@ -134,7 +147,7 @@ def _reshard(parts: list[nn.Module]) -> None:
                 m.reshard()
 
 
-class _AdaptersOff:
+class _AdaptersOff(_Live):
     """The policy with its LoRA adapters switched off: the base model."""
 
     def __init__(self, parts: list[nn.Module]):
@@ -159,7 +172,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class _InitialAdapter:
+class _InitialAdapter(_Live):
     """The policy with a frozen copy of its starting adapter swapped in for the forward."""
 
     def __init__(self, parts: list[nn.Module]):
@@ -187,7 +200,30 @@ class _InitialAdapter:
                     _local(p).copy_(v)
 
 
-class _FrozenCopy:
+class _Precomputed:
+    """The policy's log-probabilities as it starts, per (step, micro-batch), computed by ``fill``."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+        self.values: dict[tuple[int, int], torch.Tensor] = {}
+
+    @torch.no_grad()
+    def fill(self, data, steps: int, accum: int) -> None:
+        """Before training (and before a resume loads the policy): every step's micro-batches."""
+        model = self.parts[0]
+        for step in range(steps):
+            for micro, part in enumerate(data(step).chunk(accum)):
+                self.values[(step, micro)] = sequence_logps(model(part.inputs), part.labels)[0]
+        _reshard(self.parts)
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.values.values())
+
+    def logps(self, inputs, labels, step: int, micro: int) -> torch.Tensor:
+        return self.values[(step, micro)]
+
+
+class _FrozenCopy(_Live):
     """A second model built and laid out like the policy, every parameter frozen."""
 
     def __init__(self, parts: list[nn.Module]):
@@ -218,10 +254,6 @@ def build_reference(objective, spec, parts: list[nn.Module], build_copy: Callabl
         return _AdaptersOff(parts)
     if kind == "initial_adapter":
         return _InitialAdapter(parts)
+    if kind == "precomputed":
+        return _Precomputed(parts)
     return _FrozenCopy(build_copy())
-
-
-@torch.no_grad()
-def reference_logps(reference, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    with reference.model() as model:
-        return sequence_logps(model(inputs), labels)[0]

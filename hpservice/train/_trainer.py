@@ -35,7 +35,7 @@ from hpservice.spec.composition import refusal
 from ._compile import check_compile_available
 from ._dataset import build_data
 from ._distributed import init_distributed, pick_device
-from ._dpo import DPOLoss, build_reference, reference_logps
+from ._dpo import DPOLoss, build_reference
 from ._errors import TrainingError
 from ._evaluate import Evaluator
 from ._forward import attention, micro_batch_loss
@@ -136,6 +136,8 @@ class Trainer:
                                f"{lora['trainable']:,} trainable parameters of {lora['total']:,} ({share:.2%})")  # fmt: skip
         if self.rank == 0 and (described := getattr(self.data.source, "describe", None)) is not None:
             self.reporter.line(f"[{spec.name}] data: {described()}")  # what encoding kept, dropped, cut
+        if hasattr(self.reference, "fill"):  # reference: precomputed, from the policy as it starts (before a resume)
+            self.reference.fill(self.data, spec.training.steps, spec.training.grad_accum)
         self.checkpoints = self._build_checkpoints(on_checkpoint)
         if reported_up_to is not None:
             self.reporter.report_earlier_steps(reported_up_to, self.step)
@@ -281,7 +283,7 @@ class Trainer:
         for micro, part in enumerate(batch.chunk(accum)):  # rows [c0, r0, ...]: an even split keeps pairs whole
             if self.parallel_dims.dp_mesh is not None:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            ref = reference_logps(self.reference, part.inputs, part.labels)
+            ref = self.reference.logps(part.inputs, part.labels, self.step, micro)
             loss = self.dpo(self.model(part.inputs), part.labels, ref)
             loss.backward()
             loss_sum += loss.detach()

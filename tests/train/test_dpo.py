@@ -58,7 +58,7 @@ def test_pairs_tokenize_as_trls_dpo_trainer(dirs, tmp_path):
             assert got == (list(theirs[i]["prompt_ids"]), list(theirs[i]["chosen_ids"]), list(theirs[i]["rejected_ids"])), (form, i)
 
 
-def _spec(tmp, dirs, *, lora=True, parallelism=None, accum=1, loss_type="sigmoid", reference="auto"):
+def _spec(tmp, dirs, *, lora=True, parallelism=None, accum=1, loss_type="sigmoid", reference="auto", checkpoint=None):
     model = {"init_from": str(dirs["base"])}
     if lora:
         model.update(lora={"r": 4, "lora_alpha": 8.0, "target_modules": TARGETS}, init_adapter=str(dirs["adapter"]))
@@ -71,6 +71,7 @@ def _spec(tmp, dirs, *, lora=True, parallelism=None, accum=1, loss_type="sigmoid
         "lr_scheduler": {"warmup_steps": 0, "decay": "constant"},
         "parallelism": parallelism or {},
         "metrics": {"dir": str(tmp)},
+        "checkpoint": checkpoint or {},
     })  # fmt: skip
 
 
@@ -218,3 +219,33 @@ def test_dpo_refusals_name_the_field(dirs, tmp_path):
     spec = parse_job({"name": "x", "model": {"init_from": str(dirs["base"])}, "objective": {"kind": "dpo"},
                       "data": {"kind": "preference", "path": str(bad)}})  # fmt: skip
     assert dict(check_inputs(spec))["data.path"] == f"{bad}:1: rejected: missing (preference pairs)"
+
+
+@pytest.mark.parametrize(("lora", "live"), [(False, "copy"), (True, "initial_adapter")], ids=["full", "lora"])
+def test_a_precomputed_reference_trains_as_the_live_one(ranks, tmp_path, dirs, lora, live):
+    """reference: precomputed (the policy's log-probabilities as it starts, one pass before
+    training) and the live reference give the same training, fully_shard over 2, accumulation 2."""
+    runs = {}
+    for reference in (live, "precomputed"):
+        spec = _spec(tmp_path / reference, dirs, lora=lora, parallelism={"dp_shard": 2}, accum=2, reference=reference)
+        runs[reference] = ranks(2).run(_train, spec)
+    (a, _, wa), (b, _, wb) = runs[live][0], runs["precomputed"][0]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=1e-6)
+    assert [r["rewards/margins"] for r in a] == pytest.approx([r["rewards/margins"] for r in b], abs=1e-6)
+    assert b[0]["reference_gib"] * 2**30 == 4 * 2 * STEPS * 2  # 2 pairs a rank a step, 2 rows each, fp32
+    for k in wa:
+        assert (wa[k] - wb[k]).abs().max().item() < 1e-6, k
+
+
+@pytest.mark.parametrize(("lora", "reference"), [(True, "auto"), (False, "precomputed")], ids=["lora-initial-adapter", "full-precomputed"])
+def test_dpo_resumes_exactly_with_its_reference(ranks, tmp_path, dirs, lora, reference):
+    """Checkpointed at step 1 on 2 ranks, resumed on 1: steps 2-3 equal the uninterrupted run's (the
+    reference is rebuilt from the job's inputs before the checkpoint is loaded)."""
+    whole = _spec(tmp_path / "a", dirs, lora=lora, parallelism={"dp_shard": 2}, reference=reference,
+                  checkpoint={"dir": str(tmp_path / "a" / "ckpt"), "interval": 1})  # fmt: skip
+    full = ranks(2).run(_train, whole)[0]
+    step1 = tmp_path / "a" / "ckpt" / "step-00000001"
+    resumed = ranks(1).run(_train, _spec(tmp_path / "b", dirs, lora=lora, reference=reference,
+                                         checkpoint={"resume_from": str(step1)}))[0]  # fmt: skip
+    assert [r["loss"] for r in resumed[0]] == pytest.approx([r["loss"] for r in full[0][1:]], abs=1e-6)
+    assert [r["rewards/margins"] for r in resumed[0]] == pytest.approx([r["rewards/margins"] for r in full[0][1:]], abs=1e-6)
