@@ -249,3 +249,35 @@ def test_dpo_resumes_exactly_with_its_reference(ranks, tmp_path, dirs, lora, ref
                                          checkpoint={"resume_from": str(step1)}))[0]  # fmt: skip
     assert [r["loss"] for r in resumed[0]] == pytest.approx([r["loss"] for r in full[0][1:]], abs=1e-6)
     assert [r["rewards/margins"] for r in resumed[0]] == pytest.approx([r["rewards/margins"] for r in full[0][1:]], abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_the_first_step_equals_trls_dpo_trainer_loss(ranks, tmp_path, dirs, loss_type):
+    """TRL's own DPOTrainer.compute_loss on the same pairs, model and adapter, with the base model as
+    its reference, equals our first step's loss and rewards with the adapters off as the reference.
+    (Given a peft model and no reference, TRL keeps a copy of the starting adapter as the reference:
+    our initial_adapter, whose first step is log 2 on both sides.)"""
+    import datasets
+    import peft
+    import transformers
+    import trl
+
+    pairs = make_pairs(tmp_path / "four.jsonl", 4, True, seed=3)  # one step's global batch: every pair
+    spec = _spec(tmp_path, {**dirs, "conv": pairs}, loss_type=loss_type, reference="adapters_off")
+    ours = ranks(1).run(_train, spec)[0][0][0]
+    policy = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(dirs["base"]),
+                                            dirs["adapter"], is_trainable=True)  # fmt: skip
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True, bf16=False,
+                         beta=BETA, loss_type=[loss_type], per_device_train_batch_size=4)  # fmt: skip
+    records = [json.loads(line) for line in pairs.read_text().splitlines()]
+    base = transformers.AutoModelForCausalLM.from_pretrained(dirs["base"])
+    trainer = trl.DPOTrainer(model=policy, ref_model=base, args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=transformers.AutoTokenizer.from_pretrained(dirs["tok"]))  # fmt: skip
+    trainer.model.train()
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        theirs = trainer.compute_loss(trainer.model, batch).item()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert ours["loss"] == pytest.approx(theirs, abs=1e-5)
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert ours[k] == pytest.approx(metrics[k], abs=1e-5), k
