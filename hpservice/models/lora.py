@@ -12,8 +12,9 @@ the base weight is still ``layers.0.attention.wq.weight``; the adapters are ``..
 ``...wq.lora_B``, parameters of the same module (fully_shard shards them with their block).
 
 Target modules are named as PEFT names them for the Hugging Face model (``q_proj``, ``k_proj``,
-``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, ``lm_head``), or as our modules
-(``wq`` ... ``w3``, ``output``), or ``all-linear`` (PEFT's: every linear layer but the output head;
+``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, ``lm_head``; DeepSeek-V3's
+``q_a_proj`` ...), or as our modules (``wq`` ... ``w3``, ``output``); a custom model's layers by
+their own names (``fc1``); or ``all-linear`` (PEFT's: every linear layer but the output head;
 refused on a model with routed experts, where PEFT's would adapt the router and experts too).
 
 An adapter goes in and out in PEFT's files: ``adapter_config.json`` and
@@ -117,19 +118,30 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
 
 
+_HEADS = ("output", "lm_head", "head")  # a model's output layer: left out of all-linear, as PEFT does
+
+
 def peft_module_names(model: nn.Module) -> dict[str, str]:
-    """Our linear layers that LoRA can target -> their PEFT (Hugging Face) names."""
+    """Our linear layers that LoRA can target -> their PEFT names: the Hugging Face module's for
+    the built-in families' layers (DeepSeek-V3's ``wq_a`` is ``q_a_proj``), else the module's own
+    last name (a custom model's ``fc1``)."""
+    from .hf import hf_name
+
     out = {}
     for name, module in model.named_modules():
-        last = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and last in _PEFT_NAMES:
-            out[name] = _PEFT_NAMES[last]
+        if not (isinstance(module, nn.Linear) and name):
+            continue
+        try:
+            out[name] = hf_name(f"{name}.weight").removesuffix(".weight").rsplit(".", 1)[-1]
+        except ValueError:  # no Hugging Face tensor: a custom model's layer, or our mlp's
+            last = name.rsplit(".", 1)[-1]
+            out[name] = _PEFT_NAMES.get(last, last)
     return out
 
 
 def lora_targets(model: nn.Module, target_modules) -> list[str]:
     """The names of the modules ``target_modules`` selects; ``ValueError`` for a name that matches
-    no linear layer, listing the model's."""
+    no linear layer, listing the model's, and for a selection that adapts nothing."""
     linear = peft_module_names(model)
     if target_modules == "all-linear":
         from .moe import GroupedExperts
@@ -142,17 +154,21 @@ def lora_targets(model: nn.Module, target_modules) -> list[str]:
                 "and the experts too, as PEFT does; adapters on those are not built yet. Name the layers to "
                 f"adapt instead (attention, dense and shared-expert MLPs): {', '.join(sorted(set(linear.values()) - {'lm_head'}))}"
             )
-        return [n for n, peft in linear.items() if peft != "lm_head"]
+        chosen = [n for n, peft in linear.items() if peft not in _HEADS and n.rsplit(".", 1)[-1] not in _HEADS]
+        if not chosen:
+            raise ValueError("model.lora.target_modules: 'all-linear' finds no linear layer but the output head in this model")
+        return chosen
     wanted = set(target_modules)
-    known = set(linear.values()) | {_OURS[p] for p in linear.values()}
+    known = set(linear.values()) | {_OURS.get(p, p) for p in linear.values()}
     unknown = sorted(wanted - known)
     if unknown:
+        ours = sorted({_OURS[p] for p in linear.values() if p in _OURS})
         raise ValueError(
             f"model.lora.target_modules: {unknown} match no linear layer of this model; its linear layers: "
-            f"{', '.join(sorted(set(linear.values())))} (or our names {', '.join(sorted(_OURS[p] for p in set(linear.values())))}, "
-            "or 'all-linear')"
+            f"{', '.join(sorted(set(linear.values())))}"
+            + (f" (or our names {', '.join(ours)}, or 'all-linear')" if ours else " (or 'all-linear')")
         )
-    return [n for n, peft in linear.items() if peft in wanted or _OURS[peft] in wanted]
+    return [n for n, peft in linear.items() if peft in wanted or _OURS.get(peft, peft) in wanted]
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:

@@ -54,9 +54,8 @@ def adapter_config(settings: LoraSettings, modules: list[str], base: str | None)
 
 
 def peft_module_names_of(module: str) -> str:
-    from .lora import _PEFT_NAMES
-
-    return _PEFT_NAMES[module.rsplit(".", 1)[-1]]
+    """The Hugging Face module name PEFT targets for our ``module`` (``q_proj``, ``q_a_proj``)."""
+    return hf_name(f"{module}.weight").removesuffix(".weight").rsplit(".", 1)[-1]
 
 
 def read_adapter_config(path: str | Path) -> dict:

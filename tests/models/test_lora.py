@@ -406,3 +406,44 @@ def test_generation_runs_with_an_adapter_as_peft_generates(ranks, tmp_path, chec
     assert generate(model, prompt, 8) == peft_tokens(tmp_path / "trained")
     with pytest.raises(ValueError, match="a LoRA run's step-N checkpoint has its own"):
         _load_for_generation(str(step), str(adapter))
+
+
+class _Custom(torch.nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.fc1, self.fc2, self.head = torch.nn.Linear(width, 32), torch.nn.Linear(32, width), torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        return self.head(h + self.fc2(torch.relu(self.fc1(h))))
+
+
+def custom_model() -> torch.nn.Module:
+    return _Custom()
+
+
+def _trained_and_base(spec):
+    from hpservice.train import Trainer
+
+    trainer = Trainer(spec, log_to_stdout=False)
+    before = {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items() if ".lora_" not in k}
+    trainer.train()
+    after = {k: v.full_tensor() for k, v in trainer.model.state_dict().items() if ".lora_" not in k}
+    trained = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    return trained, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_custom_models_linear_layers_take_adapters_by_their_own_names(ranks, tmp_path):
+    """A factory model: all-linear adapts every nn.Linear but the head (fc1, fc2), names are its own;
+    only the adapters train and the base stays bit for bit, under fully_shard."""
+    spec = parse_job({"name": "custom", "model": {"name": "tests.models.test_lora:custom_model", "flavor": None,
+                                                  "lora": {"r": 2, "lora_alpha": 4}},
+                      "data": {"kind": "synthetic", "seq_len": 8, "global_batch": 4, "vocab_size": 64},
+                      "training": {"steps": 2}, "parallelism": {"dp_shard": 2}, "metrics": {"dir": str(tmp_path)}})  # fmt: skip
+    trained, base_unchanged = ranks(2).run(_trained_and_base, spec)[0]
+    assert trained == ["fc1.lora_A", "fc1.lora_B", "fc2.lora_A", "fc2.lora_B"] and base_unchanged
+    with pytest.raises(ValueError, match=r"\['q_proj'\] match no linear layer of this model; its linear layers: fc1, fc2, head"):
+        from hpservice.models.lora import lora_targets
+
+        lora_targets(_Custom(), ["q_proj"])
