@@ -154,12 +154,13 @@ CASES = [  # (world, parallelism, accum, lora, loss_type, reference)
     (2, {"dp_shard": 2}, 2, True, "sigmoid", "adapters_off"),
     (2, {"dp_shard": 2}, 1, True, "sigmoid", "auto"),  # from init_adapter: a frozen copy of the starting adapter
     (2, {"dp_shard": 2}, 2, False, "sigmoid", "auto"),  # full fine-tuning: a frozen copy of the model
+    (2, {"tp": 2}, 1, True, "sigmoid", "adapters_off"),  # log-probabilities from vocabulary-sharded logits
 ]
 
 
 @pytest.mark.parametrize(("world", "parallelism", "accum", "lora", "loss_type", "reference"), CASES,
                          ids=["lora-sigmoid", "lora-ipo", "lora-hinge", "lora-fsdp2-accum2", "lora-initial-adapter-fsdp2",
-                              "full-fsdp2-accum2"])  # fmt: skip
+                              "full-fsdp2-accum2", "lora-tp2"])  # fmt: skip
 def test_dpo_trains_as_trls_formula_in_one_process(ranks, tmp_path, dirs, world, parallelism, accum, lora, loss_type, reference):
     spec = _spec(tmp_path, dirs, lora=lora, parallelism=parallelism, accum=accum, loss_type=loss_type, reference=reference)
     outs = ranks(world).run(_train, spec)
