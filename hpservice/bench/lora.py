@@ -7,7 +7,8 @@ one run:
 
 - ``full``: every weight trains;
 - ``lora``: adapters of rank ``--r`` on every linear layer but the head (``all-linear``);
-- ``qlora``: the same adapters over the adapted weights held in NF4 (torchao).
+- ``qlora``: the same adapters over the adapted weights held in NF4 (torchao), each rank holding
+  its rows of them.
 
 Per row, rank 0's training state between steps as the step record reports it (parameters,
 gradients, optimizer state: ``hpservice/train/_memory.py``) next to the analytic count of the same
@@ -77,9 +78,10 @@ def _train(mode: str, base: str, folder: str, ranks: int, r: int, seq_len: int, 
 
 def _analytic(mode: str, base: str, ranks: int, r: int) -> dict:
     """Bytes per rank from the element counts: fp32 parameters and gradients, AdamW's two fp32
-    moments; fully_shard divides every sharded tensor by the ranks; NF4 weights stay whole."""
+    moments; fully_shard divides every sharded tensor by the ranks; an NF4 weight by rows where its
+    blocks divide (``shard_base_nf4``), else it stays whole."""
     from hpservice.models import build_model
-    from hpservice.models.lora import LoRALinear, LoraSettings, apply_lora
+    from hpservice.models.lora import NF4_BLOCK, NF4_SCALER_BLOCK, LoRALinear, LoraSettings, apply_lora
 
     model = build_model(None, device="meta", init_from=base)
     total = sum(p.numel() for p in model.parameters())
@@ -87,11 +89,15 @@ def _analytic(mode: str, base: str, ranks: int, r: int) -> dict:
         return {"params": 4 * total / ranks, "grads": 4 * total / ranks, "optimizer_state": 8 * total / ranks}
     apply_lora(model, LoraSettings(r, 2 * r))
     adapters = sum(p.numel() for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B")))
-    adapted = sum(m.weight.numel() for m in model.modules() if isinstance(m, LoRALinear))
+    weights = [m.weight for m in model.modules() if isinstance(m, LoRALinear)]
+    adapted = sum(w.numel() for w in weights)
     if mode == "lora":
         params = 4 * (total + adapters) / ranks
     else:
-        params = NF4_BYTES_PER_WEIGHT * adapted + 4 * (total - adapted + adapters) / ranks
+        unit = NF4_BLOCK * NF4_SCALER_BLOCK
+        split = [ranks if w.size(0) % ranks == 0 and (w.numel() // ranks) % unit == 0 else 1 for w in weights]
+        params = sum(NF4_BYTES_PER_WEIGHT * w.numel() / k for w, k in zip(weights, split, strict=True))
+        params += 4 * (total - adapted + adapters) / ranks
     return {"params": params, "grads": 4 * adapters / ranks, "optimizer_state": 8 * adapters / ranks}
 
 

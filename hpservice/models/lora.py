@@ -44,6 +44,7 @@ __all__ = [
     "nf4_problems",
     "peft_module_names",
     "quantize_base_nf4",
+    "shard_base_nf4",
 ]
 
 # our module name (last part) -> PEFT's (the Hugging Face module's)
@@ -106,7 +107,8 @@ class LoRALinear(nn.Linear):
         if is_nf4(self.weight):  # QLoRA: the 4-bit base dequantised for this product (torchao's linear)
             from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
-            base = linear_nf4(x, self.weight)
+            mesh = getattr(self, "nf4_mesh", None)
+            base = linear_nf4(x, self.weight) if mesh is None else _ShardedNF4Linear.apply(x, self.weight, mesh)
             base = base + self.bias if self.bias is not None else base
         else:
             base = F.linear(x, self.weight, self.bias)
@@ -232,4 +234,57 @@ def quantize_base_nf4(model: nn.Module) -> int:
         if isinstance(module, LoRALinear) and not is_nf4(module.weight):
             module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
             count += 1
+    return count
+
+
+def _gather_nf4(shard, mesh, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight of an NF4 row shard, dequantised to ``dtype``: its 4-bit codes and scalers
+    all-gathered over ``mesh`` (torchao's FSDP2 pre/post all-gather protocol), then decoded."""
+    import torch.distributed as dist
+
+    inner, meta = shard.fsdp_pre_all_gather(mesh)
+    n, group = mesh.size(), mesh.get_group()
+    gathered = []
+    for t in inner:
+        pieces = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(pieces, t.contiguous(), group=group)
+        gathered.append(torch.cat([p.reshape(-1) for p in pieces]))
+    whole, _ = shard.fsdp_post_all_gather(tuple(gathered), meta, dtype)
+    return whole.to(dtype)
+
+
+class _ShardedNF4Linear(torch.autograd.Function):
+    """``x @ W^T`` with ``W`` gathered from this rank's NF4 rows for the forward and again for the
+    backward (nothing whole is kept between them, as fully_shard reshards); ``W`` has no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, shard, mesh):
+        ctx.shard, ctx.mesh = shard, mesh
+        return F.linear(x, _gather_nf4(shard, mesh, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ _gather_nf4(ctx.shard, ctx.mesh, grad.dtype), None, None
+
+
+@torch.no_grad()
+def shard_base_nf4(model: nn.Module, mesh) -> int:
+    """Keep only this rank's rows of each NF4 base weight, split over the 1-d ``mesh`` (the ranks
+    fully_shard shards over) at NF4's block boundaries, so the 4-bit base is sharded as fully_shard
+    shards the rest: the forward gathers a layer's codes and scalers, decodes, and frees them. A
+    weight whose rows or blocks do not divide by the mesh's size stays whole; returns how many
+    were sharded."""
+    n, rank = mesh.size(), mesh.get_local_rank()
+    if n == 1:
+        return 0
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not (isinstance(module, LoRALinear) and is_nf4(w)):
+            continue
+        if w.size(0) % n or (w.numel() // n) % (NF4_BLOCK * NF4_SCALER_BLOCK):
+            continue
+        module.weight = nn.Parameter(torch.split(w, w.size(0) // n)[rank], requires_grad=False)
+        module.nf4_mesh = mesh
+        count += 1
     return count

@@ -15,7 +15,7 @@ import torch.nn as nn
 from hpservice.dtensor import DTensor
 from hpservice.models.lora import is_nf4
 
-__all__ = ["TrainingStateMemory", "local_bytes"]
+__all__ = ["TrainingStateMemory", "local_bytes", "parameter_counts"]
 
 _GIB = 2**30
 
@@ -27,20 +27,25 @@ def local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def parameter_counts(whole: nn.Module, frozen: set[str]) -> dict:
+    """``trainable_params`` and ``total_params`` of the whole model on the meta device, before any
+    layout (tied parameters once)."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for name, p in whole.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if name not in frozen else 0
+    return {"trainable_params": trainable, "total_params": total}
+
+
 class TrainingStateMemory:
     """The step record's parameter counts (whole model) and this rank's training-state memory."""
 
-    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, whole: nn.Module, frozen: set[str]):
-        self.model_parts, self.optimizer = model_parts, optimizer
-        seen: set[int] = set()
-        total = trainable = 0
-        for name, p in whole.named_parameters():  # the meta model: every rank's parameters, tied ones once
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            total += p.numel()
-            trainable += p.numel() if name not in frozen else 0
-        self.counts = {"trainable_params": trainable, "total_params": total}
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, counts: dict):
+        self.model_parts, self.optimizer, self.counts = model_parts, optimizer, counts
 
     def record(self) -> dict:
         params = {id(p): p for part in self.model_parts for p in part.parameters()}.values()

@@ -25,7 +25,7 @@ from hpservice.models import (
     resolve_name,
 )
 from hpservice.models.hf import load_hf_weights
-from hpservice.models.lora import LoRALinear, LoraSettings, apply_lora, quantize_base_nf4
+from hpservice.models.lora import LoRALinear, LoraSettings, apply_lora, quantize_base_nf4, shard_base_nf4
 from hpservice.parallel import ParallelDims
 from hpservice.spec import JobSpec
 
@@ -139,7 +139,10 @@ def build_model_parts(
             if name in frozen:
                 param.requires_grad_(False)
         if spec.model.lora is not None and spec.model.lora.quantize_base == "nf4":
-            quantize_base_nf4(part)  # QLoRA: each rank's whole base weights (fully_shard leaves them), to NF4
+            quantize_base_nf4(part)  # QLoRA: the whole base weights (fully_shard left them), to NF4
+            if dims.dp_mesh is not None:  # then each rank keeps its rows, as fully_shard would
+                shard_dim = dims.dp_mesh.mesh_dim_names[-1]
+                shard_base_nf4(part, dims.dp_mesh[shard_dim] if dims.dp_mesh.ndim > 1 else dims.dp_mesh)
     parts = [part for _, part in stages]
     if dims.pp == 1:
         return parts, None

@@ -42,7 +42,7 @@ from ._forward import attention, micro_batch_loss
 from ._grad_norm import clip_grad_norm_
 from ._hold import wait_while_held
 from ._loss import TokenLoss
-from ._memory import TrainingStateMemory
+from ._memory import TrainingStateMemory, parameter_counts
 from ._model import build_meta_model, build_model_parts, describe_model
 from ._optimizer import build_lr_scheduler, build_optimizer
 from ._profile import StepProfiler
@@ -104,6 +104,7 @@ class Trainer:
         self.parallel_dims = dims = ParallelDims.from_spec(spec.parallelism, self.world)
         self.mesh = dims.build_mesh(self.device.type)
         bundle, whole, frozen = build_meta_model(spec, dims)  # the family's ModelSpec
+        counts = parameter_counts(whole, frozen)  # before the layout splits (or quantises) anything
         self.model_name = bundle.name
         self.loss = TokenLoss(
             ranks=dims.dp_size * dims.cp, batch_mesh=lambda: dims.batch_mesh, compile=spec.training.compile
@@ -112,7 +113,7 @@ class Trainer:
         self.dpo, self.reference = self._build_dpo(bundle, dims)  # before a resume: the reference is the start
         self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = build_lr_scheduler(self.optimizer, spec)
-        self.memory = TrainingStateMemory(self.model_parts, self.optimizer, whole, frozen)
+        self.memory = TrainingStateMemory(self.model_parts, self.optimizer, counts)
         facts = describe_model(bundle, whole, spec, self.device, self.rank)
         self.model_record, self.utilisation = facts.record, facts.utilisation
         self.post_optimizer_hooks = bundle.post_optimizer_hooks(
