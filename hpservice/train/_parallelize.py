@@ -60,8 +60,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: JobSpec) -> None:
     correct, but its whole unsharded size is gathered at once."""
     p = spec.parallelism
     mp, offload = _fsdp_policies(spec)
-    # QLoRA: the adapted layers' frozen weights stay whole on each rank, to be held in NF4 (4-bit
-    # with its scalers, ~0.56 bytes a weight); fully_shard shards the rest and the adapters.
+    # QLoRA: the adapted layers' frozen weights are left to the model build, which quantises them to
+    # NF4 (~0.52 bytes a weight) and keeps each rank's rows (models/lora.py: shard_base_nf4).
     ignored = None
     if spec.model.lora is not None and spec.model.lora.quantize_base == "nf4":
         ignored = {m.weight for m in model.modules() if isinstance(m, LoRALinear)}
