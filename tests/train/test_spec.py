@@ -34,7 +34,7 @@ def test_defaults_and_aliases():
         ({"name": "a", "parallelism": {"tp": 0}}, "parallelism.tp", "greater than or equal to 1"),
         ({"name": "a", "parallelism": {"sequence_parallel": True}}, "parallelism.sequence_parallel", "needs tp > 1"),
         ({"name": "a", "data": {"kind": "tokens"}}, "data", "data.path is required"),
-        ({"name": "a", "data": {"kind": "parquet"}}, "data.kind", "'synthetic', 'tokens', 'text' or 'chat'"),
+        ({"name": "a", "data": {"kind": "parquet"}}, "data.kind", "'synthetic', 'tokens', 'text', 'chat' or 'preference'"),
         ({"name": "bad name!"}, "name", "should match pattern"),
         ({}, "name", "Field required"),
         ({"name": "a", "data": {"global_batch": 6}, "training": {"grad_accum": 4}}, "<root>", "not divisible"),
