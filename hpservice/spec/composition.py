@@ -100,7 +100,7 @@ def _dpo_layouts(spec, _) -> list[str]:
     if spec.objective.kind != "dpo":
         return []
     p = spec.parallelism
-    return [f"parallelism.{k}" for k in ("pp", "cp") if getattr(p, k) > 1] + (["eval.interval"] if spec.eval.interval else [])
+    return (["parallelism.pp"] if p.pp > 1 else []) + (["eval.interval"] if spec.eval.interval else [])
 
 
 def _dpo_reference(spec, _) -> list[str]:
@@ -201,9 +201,9 @@ COMPOSITIONS: tuple[Composition, ...] = (
     Composition(
         id="dpo_layouts",
         scope="job",
-        combination="`objective.kind: dpo` with `pp > 1`, `cp > 1` or `eval.interval`",
-        message="DPO under pipeline or context parallelism, and its evaluation, are not built yet; DPO runs with dp / "
-        "fully_shard / HSDP and tp",
+        combination="`objective.kind: dpo` with `pp > 1` or `eval.interval`",
+        message="DPO under pipeline parallelism, and its evaluation, are not built yet; DPO runs with dp / "
+        "fully_shard / HSDP, tp and cp",
         fields=_dpo_layouts,
     ),
     Composition(

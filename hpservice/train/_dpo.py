@@ -52,12 +52,34 @@ __all__ = ["DPOLoss", "build_reference", "sequence_logps"]
 _SUMS = ("pairs", "loss", "chosen_rewards", "rejected_rewards", "accuracies", "chosen_logps", "rejected_logps")
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class _SumOverSequenceParts(torch.autograd.Function):
+    """Per-row sums of a sequence split over the context-parallel ranks: the forward all-reduces
+    them; the backward passes each rank's gradient through as it is (every rank computes the same
+    loss from the same sums, and fully_shard's average over the cp ranks makes it one)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the sum of ``log p(label)`` over its valid labels (float32), and their count. With
-    tensor parallelism the logits stay sharded on the vocabulary."""
+    tensor parallelism the logits stay sharded on the vocabulary; with context parallelism (this
+    rank's positions of each row) the sums are completed over ``cp_group``."""
     nll = cross_entropy_loss(logits, labels, reduction="none").view(labels.shape)
     valid = labels != IGNORE_INDEX
-    return -(nll * valid).sum(dim=1), valid.sum(dim=1)
+    logps, counts = -(nll * valid).sum(dim=1), valid.sum(dim=1)
+    if cp_group is not None:
+        logps = _SumOverSequenceParts.apply(logps, cp_group)
+        counts = counts.clone()
+        dist.all_reduce(counts, group=cp_group)
+    return logps, counts
 
 
 class DPOLoss:
@@ -98,10 +120,10 @@ class DPOLoss:
             raise ValueError(f"objective.loss_type: {self.loss_type!r} is not one of sigmoid, hinge, ipo, robust")
         return losses, b * chosen.detach(), b * rejected.detach()
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor, cp_group=None) -> torch.Tensor:
         if self.global_pairs is None:
             raise RuntimeError("DPOLoss: begin() was not called for this step")
-        logps, counts = sequence_logps(logits, labels)
+        logps, counts = sequence_logps(logits, labels, cp_group)
         losses, chosen_rewards, rejected_rewards = self.per_pair(logps, counts, ref_logps)
         with torch.no_grad():
             self._sums += torch.stack([
@@ -131,12 +153,13 @@ class DPOLoss:
 
 
 class _Live:
-    """A reference computed by a forward: ``logps`` of a micro-batch under ``model()``."""
+    """A reference computed by a forward: ``logps(forward, ...)`` of a micro-batch, ``forward(model)``
+    giving the micro-batch's (logits, labels, cp group) through ``model()``'s model."""
 
     @torch.no_grad()
-    def logps(self, inputs, labels, step: int, micro: int) -> torch.Tensor:
+    def logps(self, forward, step: int, micro: int) -> torch.Tensor:
         with self.model() as model:
-            return sequence_logps(model(inputs), labels)[0]
+            return sequence_logps(*forward(model))[0]
 
 
 def _reshard(parts: list[nn.Module]) -> None:
@@ -208,18 +231,19 @@ class _Precomputed:
         self.values: dict[tuple[int, int], torch.Tensor] = {}
 
     @torch.no_grad()
-    def fill(self, data, steps: int, accum: int) -> None:
-        """Before training (and before a resume loads the policy): every step's micro-batches."""
+    def fill(self, data, steps: int, accum: int, forward) -> None:
+        """Before training (and before a resume loads the policy): every step's micro-batches,
+        ``forward(model, micro_batch)`` giving (logits, labels, cp group)."""
         model = self.parts[0]
         for step in range(steps):
             for micro, part in enumerate(data(step).chunk(accum)):
-                self.values[(step, micro)] = sequence_logps(model(part.inputs), part.labels)[0]
+                self.values[(step, micro)] = sequence_logps(*forward(model, part))[0]
         _reshard(self.parts)
 
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.values.values())
 
-    def logps(self, inputs, labels, step: int, micro: int) -> torch.Tensor:
+    def logps(self, forward, step: int, micro: int) -> torch.Tensor:
         return self.values[(step, micro)]
 
 

@@ -29,6 +29,7 @@ import torch.nn as nn
 from hpservice.inputs import confine
 from hpservice.metrics import step_record
 from hpservice.parallel import ParallelDims
+from hpservice.parallel.context_parallel import positions as cp_positions
 from hpservice.spec import JobSpec, new_run_id
 from hpservice.spec.composition import refusal
 
@@ -138,7 +139,7 @@ class Trainer:
         if self.rank == 0 and (described := getattr(self.data.source, "describe", None)) is not None:
             self.reporter.line(f"[{spec.name}] data: {described()}")  # what encoding kept, dropped, cut
         if hasattr(self.reference, "fill"):  # reference: precomputed, from the policy as it starts (before a resume)
-            self.reference.fill(self.data, spec.training.steps, spec.training.grad_accum)
+            self.reference.fill(self.data, spec.training.steps, spec.training.grad_accum, self._dpo_forward_alone)
         self.checkpoints = self._build_checkpoints(on_checkpoint)
         if reported_up_to is not None:
             self.reporter.report_earlier_steps(reported_up_to, self.step)
@@ -284,11 +285,29 @@ class Trainer:
         for micro, part in enumerate(batch.chunk(accum)):  # rows [c0, r0, ...]: an even split keeps pairs whole
             if self.parallel_dims.dp_mesh is not None:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            ref = self.reference.logps(part.inputs, part.labels, self.step, micro)
-            loss = self.dpo(self.model(part.inputs), part.labels, ref)
-            loss.backward()
-            loss_sum += loss.detach()
+            with attention(part, self.parallel_dims):  # cp: ring attention over this rank's positions
+                ref = self.reference.logps(lambda model, part=part: self._dpo_forward(model, part), self.step, micro)
+                logits, labels, cp_group = self._dpo_forward(self.model, part)
+                loss = self.dpo(logits, labels, ref, cp_group)
+                loss.backward()
+            # every cp rank holds its pairs' whole loss (TokenLoss's shares are parts): counted once
+            loss_sum += loss.detach() / self.parallel_dims.cp
         return loss_sum
+
+    def _dpo_forward(self, model: nn.Module, part) -> tuple:
+        """(logits, labels, cp group) of a micro-batch of pairs: under context parallelism, this
+        rank's positions of each row (the head and tail chunks), the model told their positions."""
+        dims = self.parallel_dims
+        if dims.cp == 1:
+            return model(part.inputs), part.labels, None
+        pos = cp_positions(part.shape[1], dims.cp, dims.cp_rank, device=part.inputs.device)
+        logits = model(part.inputs.index_select(1, pos), positions=pos)
+        return logits, part.labels.index_select(1, pos), dims.cp_mesh.get_group()
+
+    def _dpo_forward_alone(self, model: nn.Module, part) -> tuple:
+        """``_dpo_forward`` in its own attention context (a forward with no backward after it)."""
+        with attention(part, self.parallel_dims):
+            return self._dpo_forward(model, part)
 
     def _train_step(self) -> dict:
         spec = self.spec

@@ -155,12 +155,13 @@ CASES = [  # (world, parallelism, accum, lora, loss_type, reference)
     (2, {"dp_shard": 2}, 1, True, "sigmoid", "auto"),  # from init_adapter: a frozen copy of the starting adapter
     (2, {"dp_shard": 2}, 2, False, "sigmoid", "auto"),  # full fine-tuning: a frozen copy of the model
     (2, {"tp": 2}, 1, True, "sigmoid", "adapters_off"),  # log-probabilities from vocabulary-sharded logits
+    (2, {"cp": 2}, 1, True, "sigmoid", "auto"),  # each row's sums completed over its two sequence parts
 ]
 
 
 @pytest.mark.parametrize(("world", "parallelism", "accum", "lora", "loss_type", "reference"), CASES,
                          ids=["lora-sigmoid", "lora-ipo", "lora-hinge", "lora-fsdp2-accum2", "lora-initial-adapter-fsdp2",
-                              "full-fsdp2-accum2", "lora-tp2"])  # fmt: skip
+                              "full-fsdp2-accum2", "lora-tp2", "lora-initial-adapter-cp2"])  # fmt: skip
 def test_dpo_trains_as_trls_formula_in_one_process(ranks, tmp_path, dirs, world, parallelism, accum, lora, loss_type, reference):
     spec = _spec(tmp_path, dirs, lora=lora, parallelism=parallelism, accum=accum, loss_type=loss_type, reference=reference)
     outs = ranks(world).run(_train, spec)
@@ -222,18 +223,21 @@ def test_dpo_refusals_name_the_field(dirs, tmp_path):
     assert dict(check_inputs(spec))["data.path"] == f"{bad}:1: rejected: missing (preference pairs)"
 
 
-@pytest.mark.parametrize(("lora", "live"), [(False, "copy"), (True, "initial_adapter")], ids=["full", "lora"])
-def test_a_precomputed_reference_trains_as_the_live_one(ranks, tmp_path, dirs, lora, live):
+@pytest.mark.parametrize(("lora", "live", "parallelism"),
+                         [(False, "copy", {"dp_shard": 2}), (True, "initial_adapter", {"dp_shard": 2}),
+                          (True, "initial_adapter", {"cp": 2})], ids=["full", "lora", "lora-cp2"])  # fmt: skip
+def test_a_precomputed_reference_trains_as_the_live_one(ranks, tmp_path, dirs, lora, live, parallelism):
     """reference: precomputed (the policy's log-probabilities as it starts, one pass before
-    training) and the live reference give the same training, fully_shard over 2, accumulation 2."""
+    training) and the live reference give the same training, on 2 ranks (accumulation 2)."""
     runs = {}
     for reference in (live, "precomputed"):
-        spec = _spec(tmp_path / reference, dirs, lora=lora, parallelism={"dp_shard": 2}, accum=2, reference=reference)
+        spec = _spec(tmp_path / reference, dirs, lora=lora, parallelism=parallelism, accum=2, reference=reference)
         runs[reference] = ranks(2).run(_train, spec)
     (a, _, wa), (b, _, wb) = runs[live][0], runs["precomputed"][0]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=1e-6)
     assert [r["rewards/margins"] for r in a] == pytest.approx([r["rewards/margins"] for r in b], abs=1e-6)
-    assert b[0]["reference_gib"] * 2**30 == 4 * 2 * STEPS * 2  # 2 pairs a rank a step, 2 rows each, fp32
+    pairs = 4 // parallelism.get("dp_shard", 1)  # a rank's pairs a step, 2 rows each, fp32
+    assert b[0]["reference_gib"] * 2**30 == 4 * 2 * pairs * STEPS
     for k in wa:
         assert (wa[k] - wb[k]).abs().max().item() < 1e-6, k
 
