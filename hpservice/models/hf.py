@@ -384,7 +384,10 @@ def base_fingerprint(path: str | Path) -> str:
     files = _SafetensorsDir(path)
     h = hashlib.sha256(json.dumps(_read_config(path), sort_keys=True).encode())
     for f in sorted(set(files.where.values())):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        real = Path(os.path.realpath(f))
+        if files._real not in real.parents:  # an index naming a file elsewhere: never looked at
+            raise HFFormatError(f"{path}: its index names {f.name}, outside the checkpoint's directory")
+        h.update(f"{f.name}:{real.stat().st_size}".encode())
     return h.hexdigest()
 
 

@@ -447,3 +447,19 @@ def test_a_custom_models_linear_layers_take_adapters_by_their_own_names(ranks, t
         from hpservice.models.lora import lora_targets
 
         lora_targets(_Custom(), ["q_proj"])
+
+
+def test_the_base_fingerprint_never_looks_outside_the_base(tmp_path, checkpoint):
+    """An index naming a file outside the base's directory is refused, not measured."""
+    import shutil
+
+    from hpservice.models.hf import HFFormatError, base_fingerprint
+
+    base, _ = checkpoint
+    hostile = tmp_path / "hostile"
+    shutil.copytree(base, hostile)
+    (tmp_path / "secret.safetensors").write_bytes(b"x" * 100)
+    (hostile / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../secret.safetensors"}}))
+    assert base_fingerprint(base) == base_fingerprint(base)
+    with pytest.raises(HFFormatError, match="outside the checkpoint's directory"):
+        base_fingerprint(hostile)
