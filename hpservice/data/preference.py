@@ -165,6 +165,7 @@ class PreferenceSource(TokenSource):
 
     every_label_valid = False
     num_tokens = None
+    rows_per_sample = 2  # a sample is a pair: its chosen and rejected rows
 
     def __init__(self, pairs: PreferencePairs, *, seq_len: int, seed: int = 0, vocab_size: int | None = None, pad_id: int = 0):
         self.pairs, self.seq_len, self.seed, self.pad_id = pairs, seq_len, seed, pad_id

@@ -195,7 +195,8 @@ class RankBatches:
 
     @property
     def global_tokens(self) -> int:
-        return self.global_batch * self.seq_len
+        """Positions a step trains on: preference pairs are two rows each."""
+        return self.global_batch * self.seq_len * getattr(self.source, "rows_per_sample", 1)
 
     @property
     def every_label_valid(self) -> bool:
