@@ -26,22 +26,27 @@ so any split by rows into micro-batches or ranks of an even count keeps each pai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import threading
 
 import numpy as np
 import torch
 
 from ._base import TokenSource, check_int, local_batch_size, seeded_rng
 from ._batch import IGNORE_INDEX, Batch
+from .chat._corpus import ChatOptions, _alarm, _Timeout
 from .chat._encode import ChatTokenizer
 from .chat._formats import RecordError, _messages
 from .chat._records import expand_paths, read_records
-from .chat._template import ChatTemplate
+from .chat._template import ChatTemplate, TemplateLimitError
 
 __all__ = ["PREFERENCE_FIELDS", "PreferencePairs", "PreferenceSource", "check_record", "encode_preferences"]
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 TAG_PREFERENCE_ORDER = 12
+TEMPLATE_SECONDS = ChatOptions(seq_len=1).template_seconds  # chat data's bound on one record
 
 
 @dataclasses.dataclass
@@ -113,6 +118,24 @@ class _Encoder:
                 enc(self.template.render(msgs["prompt"] + msgs["rejected"]).text))  # fmt: skip
 
 
+@contextlib.contextmanager
+def _time_bound(where: str):
+    """``TEMPLATE_SECONDS`` for rendering and tokenizing one record (signals reach the main thread
+    only: elsewhere the template's output bound still holds)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+    try:
+        yield
+    except _Timeout:
+        raise RecordError("record", f"rendering and tokenizing it took longer than {TEMPLATE_SECONDS} s") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def encode_preferences(
     paths: list[str],
     tok: ChatTokenizer,
@@ -130,7 +153,8 @@ def encode_preferences(
             for where, record in read_records(file):
                 out.stats["records"] += 1
                 try:
-                    prompt, with_chosen, with_rejected = encoder.encode(record, fields)
+                    with _time_bound(where):  # a template is a tenant's code: bounded in time, as chat data's
+                        prompt, with_chosen, with_rejected = encoder.encode(record, fields)
                     n = min(_common_prefix(prompt, with_chosen), _common_prefix(prompt, with_rejected))
                     if n < len(prompt):
                         raise RecordError(
@@ -141,7 +165,7 @@ def encode_preferences(
                         )
                     if n == len(with_chosen) or n == len(with_rejected):
                         raise RecordError(fields.get("chosen", "chosen"), "an answer renders to no tokens")
-                except RecordError as e:
+                except (RecordError, TemplateLimitError) as e:
                     if on_bad_record == "skip":
                         out.stats["skipped"] += 1
                         continue

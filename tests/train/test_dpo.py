@@ -286,3 +286,22 @@ def test_the_first_step_equals_trls_dpo_trainer_loss(ranks, tmp_path, dirs, loss
     assert ours["loss"] == pytest.approx(theirs, abs=1e-5)
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert ours[k] == pytest.approx(metrics[k], abs=1e-5), k
+
+
+def test_a_hostile_template_is_bounded_in_time(dirs, tmp_path, monkeypatch):
+    """A chat template is a tenant's code: a record whose rendering outlasts the bound is a bad
+    record (stop naming it, or skip and count), never a stalled job."""
+    import shutil
+
+    from hpservice.data import preference
+    from hpservice.data.chat import load_chat_tokenizer
+
+    tok = tmp_path / "tok"
+    shutil.copytree(dirs["tok"], tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(preference, "TEMPLATE_SECONDS", 0.5)
+    pairs = make_pairs(tmp_path / "two.jsonl", 2, True)
+    with pytest.raises(ValueError, match=r"two\.jsonl:1: record: rendering and tokenizing it took longer than 0\.5 s"):
+        preference.encode_preferences([str(pairs)], load_chat_tokenizer(str(tok)), seq_len=64)
