@@ -46,7 +46,7 @@ from hpservice.models.lora import LoRALinear
 
 from ._loss import cross_entropy_loss
 
-__all__ = ["DPOLoss", "build_reference", "sequence_logps"]
+__all__ = ["DPOLoss", "PipelineDPOLoss", "build_reference", "pack_target", "pipelined_logps", "sequence_logps"]
 
 # the step's sums behind the metrics, in this order (one all-reduce)
 _SUMS = ("pairs", "loss", "chosen_rewards", "rejected_rewards", "accuracies", "chosen_logps", "rejected_logps")
@@ -86,9 +86,11 @@ class DPOLoss:
     """``loss(logits, labels, reference_logps)``: the micro-batch's share of the step's DPO loss;
     ``begin`` before a step's first micro-batch, ``metrics`` after its last."""
 
-    def __init__(self, objective, *, ranks: int, batch_mesh: Callable[[], DeviceMesh | None]):
+    def __init__(self, objective, *, ranks: int, batch_mesh: Callable[[], DeviceMesh | None], microbatches: int = 1):
         self.beta, self.loss_type, self.smoothing = objective.beta, objective.loss_type, objective.label_smoothing
-        self.ranks, self._batch_mesh = ranks, batch_mesh
+        # the pipeline divides its gradients by its micro-batch count (torch's scale_grads): a share is
+        # multiplied by it, as TokenLoss's
+        self.ranks, self._batch_mesh, self.microbatches = ranks, batch_mesh, microbatches
         self.global_pairs = None
         self._sums = None
 
@@ -131,11 +133,14 @@ class DPOLoss:
                 chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).float().sum(),
                 logps[0::2].detach().sum(), logps[1::2].detach().sum(),
             ]).to(self._sums)  # fmt: skip
-        return losses.sum() / (max(self.global_pairs, 1) / self.ranks)
+        return losses.sum() / (max(self.global_pairs, 1) / (self.ranks * self.microbatches))
 
-    def metrics(self) -> dict:
-        """The step's means over its global batch of pairs, under TRL's names."""
+    def metrics(self, pp_group=None) -> dict:
+        """The step's means over its global batch of pairs, under TRL's names (with a pipeline, the
+        last stage's sums, given to every stage over ``pp_group``)."""
         sums = self._sums
+        if pp_group is not None:
+            dist.all_reduce(sums, group=pp_group)  # the other stages hold zeros
         mesh = self._batch_mesh()
         if mesh is not None:
             dist.all_reduce(sums, group=mesh.get_group())
@@ -231,13 +236,16 @@ class _Precomputed:
         self.values: dict[tuple[int, int], torch.Tensor] = {}
 
     @torch.no_grad()
-    def fill(self, data, steps: int, accum: int, forward) -> None:
+    def fill(self, data, steps: int, accum: int, forward, pipelined=None) -> None:
         """Before training (and before a resume loads the policy): every step's micro-batches,
-        ``forward(model, micro_batch)`` giving (logits, labels, cp group)."""
-        model = self.parts[0]
+        ``forward(model, micro_batch)`` giving (logits, labels, cp group); with a pipeline,
+        ``pipelined(batch)`` each step's rows (its micro-batches are the schedule's)."""
         for step in range(steps):
+            if pipelined is not None:
+                self.values[(step, 0)] = pipelined(data(step))
+                continue
             for micro, part in enumerate(data(step).chunk(accum)):
-                self.values[(step, micro)] = sequence_logps(*forward(model, part))[0]
+                self.values[(step, micro)] = sequence_logps(*forward(self.parts[0], part))[0]
         _reshard(self.parts)
 
     def held_bytes(self) -> int:
@@ -250,8 +258,8 @@ class _Precomputed:
 class _FrozenCopy(_Live):
     """A second model built and laid out like the policy, every parameter frozen."""
 
-    def __init__(self, parts: list[nn.Module]):
-        self.parts = parts
+    def __init__(self, parts: list[nn.Module], pipeline=None):
+        self.parts, self.pipeline = parts, pipeline  # the copy's own schedule under pipeline parallelism
         for part in parts:
             part.requires_grad_(False)
             part.eval()
@@ -266,7 +274,7 @@ class _FrozenCopy(_Live):
         yield self.parts[0]
 
 
-def build_reference(objective, spec, parts: list[nn.Module], build_copy: Callable[[], list[nn.Module]]):
+def build_reference(objective, spec, parts: list[nn.Module], build_copy: Callable[[], tuple[list[nn.Module], object]]):
     """The reference of ``objective.reference`` (``auto`` resolved by the model, module docstring)."""
     kind = objective.reference
     if kind == "auto":
@@ -280,4 +288,44 @@ def build_reference(objective, spec, parts: list[nn.Module], build_copy: Callabl
         return _InitialAdapter(parts)
     if kind == "precomputed":
         return _Precomputed(parts)
-    return _FrozenCopy(build_copy())
+    return _FrozenCopy(*build_copy())
+
+
+# ---- under pipeline parallelism ---------------------------------------------------------------------
+
+
+def pack_target(labels: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """The pipeline's target of a step: each row's labels and, last, its reference log-probability
+    (float64 holds the label ids exactly), split into micro-batches with the rows."""
+    return torch.cat([labels.to(torch.float64), ref_logps.to(torch.float64)[:, None]], dim=1)
+
+
+class PipelineDPOLoss:
+    """The last stage's ``loss_fn(logits, target)``: ``DPOLoss`` on a packed target; while
+    ``recording`` (a list), it appends each micro-batch's log-probabilities instead (the reference's
+    pass, run by the schedule's ``eval``) and returns zero."""
+
+    def __init__(self, dpo: DPOLoss):
+        self.dpo, self.recording = dpo, None
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        labels = target[:, :-1].long() if target.dtype == torch.float64 else target
+        if self.recording is not None:
+            self.recording.append(sequence_logps(logits, labels)[0].detach())
+            return torch.zeros((), device=logits.device)
+        return self.dpo(logits, labels, target[:, -1].to(torch.float32))
+
+
+@torch.no_grad()
+def pipelined_logps(pipeline, loss: PipelineDPOLoss, batch: Batch) -> torch.Tensor:
+    """Each row's log-probability through ``pipeline``'s forwards (no gradients): on the last stage
+    the values, on the others zeros of the same shape (only the last stage's loss reads them)."""
+    loss.recording = []
+    try:
+        pipeline.eval(batch.inputs, target=batch.labels, losses=[])
+        got = loss.recording
+    finally:
+        loss.recording = None
+    if got:
+        return torch.cat(got)
+    return torch.zeros(batch.shape[0], device=batch.inputs.device)

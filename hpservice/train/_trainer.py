@@ -36,7 +36,7 @@ from hpservice.spec.composition import refusal
 from ._compile import check_compile_available
 from ._dataset import build_data
 from ._distributed import init_distributed, pick_device
-from ._dpo import DPOLoss, build_reference
+from ._dpo import DPOLoss, PipelineDPOLoss, build_reference, pack_target, pipelined_logps
 from ._errors import TrainingError
 from ._evaluate import Evaluator
 from ._forward import attention, micro_batch_loss
@@ -110,8 +110,10 @@ class Trainer:
         self.loss = TokenLoss(
             ranks=dims.dp_size * dims.cp, batch_mesh=lambda: dims.batch_mesh, compile=spec.training.compile
         )
-        self.model_parts, self.pipeline = build_model_parts(bundle, whole, frozen, dims, spec, self.device, self.loss)
-        self.dpo, self.reference = self._build_dpo(bundle, dims)  # before a resume: the reference is the start
+        self.dpo, self.pipeline_loss = self._build_dpo_loss(dims)
+        stage_loss = self.pipeline_loss or self.loss  # the pipeline's last stage computes it
+        self.model_parts, self.pipeline = build_model_parts(bundle, whole, frozen, dims, spec, self.device, stage_loss)
+        self.reference = self._build_reference(bundle, dims)  # before a resume: the reference is the start
         self.optimizer = build_optimizer(self.model_parts, spec)
         self.scheduler = build_lr_scheduler(self.optimizer, spec)
         self.memory = TrainingStateMemory(self.model_parts, self.optimizer, counts)
@@ -139,7 +141,8 @@ class Trainer:
         if self.rank == 0 and (described := getattr(self.data.source, "describe", None)) is not None:
             self.reporter.line(f"[{spec.name}] data: {described()}")  # what encoding kept, dropped, cut
         if hasattr(self.reference, "fill"):  # reference: precomputed, from the policy as it starts (before a resume)
-            self.reference.fill(self.data, spec.training.steps, spec.training.grad_accum, self._dpo_forward_alone)
+            pipelined = (lambda b: pipelined_logps(self.pipeline, self.pipeline_loss, b)) if self.pipeline else None
+            self.reference.fill(self.data, spec.training.steps, spec.training.grad_accum, self._dpo_forward_alone, pipelined)
         self.checkpoints = self._build_checkpoints(on_checkpoint)
         if reported_up_to is not None:
             self.reporter.report_earlier_steps(reported_up_to, self.step)
@@ -151,20 +154,28 @@ class Trainer:
             self._profiler = StepProfiler(spec.metrics.profile, spec.artifacts_dir(), self.rank, self.device)
 
     # ---- builds -------------------------------------------------------------------------------
-    def _build_dpo(self, bundle, dims: ParallelDims):
-        """DPO's loss and reference (``objective.kind: dpo``), else (None, None)."""
+    def _build_dpo_loss(self, dims: ParallelDims):
+        """DPO's loss (``objective.kind: dpo``) and, under pipeline parallelism, the last stage's
+        ``loss_fn`` over it; else (None, None)."""
         spec = self.spec
         if spec.objective.kind != "dpo":
             return None, None
+        k = spec.parallelism.microbatches(spec.training.grad_accum) if dims.pp > 1 else 1
+        loss = DPOLoss(spec.objective, ranks=dims.dp_size * dims.cp, batch_mesh=lambda: dims.batch_mesh, microbatches=k)
+        return loss, (PipelineDPOLoss(loss) if dims.pp > 1 else None)
 
-        def frozen_copy() -> list[nn.Module]:
+    def _build_reference(self, bundle, dims: ParallelDims):
+        """DPO's reference model (``_dpo.build_reference``), None for SFT."""
+        spec = self.spec
+        if self.dpo is None:
+            return None
+
+        def frozen_copy():
             _, whole, _ = build_meta_model(spec, dims)
             everything = {n for n, _ in whole.named_parameters()}
-            parts, _ = build_model_parts(bundle, whole, everything, dims, spec, self.device, self.loss)
-            return parts
+            return build_model_parts(bundle, whole, everything, dims, spec, self.device, self.pipeline_loss or self.loss)
 
-        loss = DPOLoss(spec.objective, ranks=dims.dp_size * dims.cp, batch_mesh=lambda: dims.batch_mesh)
-        return loss, build_reference(spec.objective, spec, self.model_parts, frozen_copy)
+        return build_reference(spec.objective, spec, self.model_parts, frozen_copy)
 
     def _name_run(self, spec: JobSpec) -> JobSpec:
         """Run directly (torchrun, tests), a spec has no run id: rank 0 names the run for all."""
@@ -281,6 +292,8 @@ class Trainer:
         """DPO: each micro-batch's pairs through the reference (no gradients) and the policy."""
         self.dpo.begin(batch)
         loss_sum = torch.zeros((), device=self.device)
+        if self.pipeline is not None:
+            return self._dpo_pipelined(batch)
         accum = self.spec.training.grad_accum
         for micro, part in enumerate(batch.chunk(accum)):  # rows [c0, r0, ...]: an even split keeps pairs whole
             if self.parallel_dims.dp_mesh is not None:
@@ -293,6 +306,25 @@ class Trainer:
             # every cp rank holds its pairs' whole loss (TokenLoss's shares are parts): counted once
             loss_sum += loss.detach() / self.parallel_dims.cp
         return loss_sum
+
+    def _dpo_pipelined(self, batch) -> torch.Tensor:
+        """DPO through the pipeline: the reference's rows by its forwards (or precomputed), packed
+        into the target the last stage's loss reads, then the schedule's step."""
+        micro = self.spec.parallelism.microbatches(self.spec.training.grad_accum)
+        if (batch.shape[0] // 2) % micro:
+            raise TrainingError(
+                f"parallelism.pp_microbatches x training.grad_accum = {micro} must divide this rank's "
+                f"{batch.shape[0] // 2} preference pairs a step (a pair's two rows travel in one micro-batch)"
+            )
+        ref = self.reference
+        if hasattr(ref, "values"):  # precomputed
+            ref_rows = ref.values[(self.step, 0)]
+        else:
+            with ref.model():
+                ref_rows = pipelined_logps(getattr(ref, "pipeline", None) or self.pipeline, self.pipeline_loss, batch)
+        losses: list[torch.Tensor] = []
+        self.pipeline.step(batch.inputs, target=pack_target(batch.labels, ref_rows), losses=losses)
+        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
     def _dpo_forward(self, model: nn.Module, part) -> tuple:
         """(logits, labels, cp group) of a micro-batch of pairs: under context parallelism, this
@@ -344,7 +376,8 @@ class Trainer:
             **self.memory.record(),
         }
         if self.dpo is not None:
-            values.update(self.dpo.metrics(), reference_gib=self.reference.held_bytes() / 2**30)
+            pp_group = self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp > 1 else None
+            values.update(self.dpo.metrics(pp_group), reference_gib=self.reference.held_bytes() / 2**30)
         for hook in self.post_optimizer_hooks:
             values.update(hook())
         interval = spec.eval.interval

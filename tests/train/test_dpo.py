@@ -156,12 +156,14 @@ CASES = [  # (world, parallelism, accum, lora, loss_type, reference)
     (2, {"dp_shard": 2}, 2, False, "sigmoid", "auto"),  # full fine-tuning: a frozen copy of the model
     (2, {"tp": 2}, 1, True, "sigmoid", "adapters_off"),  # log-probabilities from vocabulary-sharded logits
     (2, {"cp": 2}, 1, True, "sigmoid", "auto"),  # each row's sums completed over its two sequence parts
+    (2, {"pp": 2, "pp_microbatches": 2}, 1, True, "sigmoid", "adapters_off"),  # the last stage's loss
+    (2, {"pp": 2, "pp_microbatches": 2}, 1, False, "sigmoid", "auto"),  # and the copy's own pipeline
 ]
 
 
 @pytest.mark.parametrize(("world", "parallelism", "accum", "lora", "loss_type", "reference"), CASES,
                          ids=["lora-sigmoid", "lora-ipo", "lora-hinge", "lora-fsdp2-accum2", "lora-initial-adapter-fsdp2",
-                              "full-fsdp2-accum2", "lora-tp2", "lora-initial-adapter-cp2"])  # fmt: skip
+                              "full-fsdp2-accum2", "lora-tp2", "lora-initial-adapter-cp2", "lora-pp2", "full-pp2"])  # fmt: skip
 def test_dpo_trains_as_trls_formula_in_one_process(ranks, tmp_path, dirs, world, parallelism, accum, lora, loss_type, reference):
     spec = _spec(tmp_path, dirs, lora=lora, parallelism=parallelism, accum=accum, loss_type=loss_type, reference=reference)
     outs = ranks(world).run(_train, spec)
@@ -199,8 +201,9 @@ def test_dpo_trains_as_trls_formula_in_one_process(ranks, tmp_path, dirs, world,
 def test_dpo_refusals_name_the_field(dirs, tmp_path):
     with pytest.raises(SpecError, match=r"objective\.reference"):
         _spec(tmp_path, dirs, lora=False, reference="adapters_off")
-    with pytest.raises(SpecError, match=r"parallelism\.pp"):
-        _spec(tmp_path, dirs, parallelism={"pp": 2})
+    with pytest.raises(SpecError, match=r"eval\.interval"):
+        parse_job({"name": "x", "objective": {"kind": "dpo"}, "data": {"kind": "preference", "path": "p"},
+                   "eval": {"interval": 2, "data": {"kind": "preference", "path": "p"}}})  # fmt: skip
     with pytest.raises(SpecError, match=r"objective\.beta"):
         parse_job({"name": "x", "objective": {"kind": "dpo", "beta": 0}, "data": {"kind": "preference", "path": "p"}})
     with pytest.raises(SpecError, match=r"objective\.kind"):
@@ -225,7 +228,8 @@ def test_dpo_refusals_name_the_field(dirs, tmp_path):
 
 @pytest.mark.parametrize(("lora", "live", "parallelism"),
                          [(False, "copy", {"dp_shard": 2}), (True, "initial_adapter", {"dp_shard": 2}),
-                          (True, "initial_adapter", {"cp": 2})], ids=["full", "lora", "lora-cp2"])  # fmt: skip
+                          (True, "initial_adapter", {"cp": 2}), (True, "initial_adapter", {"pp": 2, "pp_microbatches": 2})],
+                         ids=["full", "lora", "lora-cp2", "lora-pp2"])  # fmt: skip
 def test_a_precomputed_reference_trains_as_the_live_one(ranks, tmp_path, dirs, lora, live, parallelism):
     """reference: precomputed (the policy's log-probabilities as it starts, one pass before
     training) and the live reference give the same training, on 2 ranks (accumulation 2)."""
@@ -237,7 +241,8 @@ def test_a_precomputed_reference_trains_as_the_live_one(ranks, tmp_path, dirs, l
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=1e-6)
     assert [r["rewards/margins"] for r in a] == pytest.approx([r["rewards/margins"] for r in b], abs=1e-6)
     pairs = 4 // parallelism.get("dp_shard", 1)  # a rank's pairs a step, 2 rows each, fp32
-    assert b[0]["reference_gib"] * 2**30 == 4 * 2 * pairs * STEPS
+    holder = b if parallelism.get("pp", 1) == 1 else runs["precomputed"][-1][0]  # the last stage holds them
+    assert holder[0]["reference_gib"] * 2**30 == 4 * 2 * pairs * STEPS
     for k in wa:
         assert (wa[k] - wb[k]).abs().max().item() < 1e-6, k
 
