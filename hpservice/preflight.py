@@ -265,7 +265,9 @@ def check_inputs(spec: JobSpec, visible: Callable[[Path], bool] = lambda p: True
         if kind == "file" and not path.is_file():
             errors.append((field, f"{raw}: no such file" if not path.exists() else f"{raw}: not a file"))
         elif kind == "dir" and not path.is_dir():
-            what = "checkpoint directory" if field == "checkpoint.resume_from" else "Hugging Face checkpoint directory"
+            what = {"checkpoint.resume_from": "checkpoint directory", "model.init_adapter": "PEFT adapter directory"}.get(
+                field, "Hugging Face checkpoint directory"
+            )
             errors.append((field, f"{raw}: no such {what}" if not path.exists() else f"{raw}: not a directory"))
         elif field == "model.init_from":
             errors += _init_from_errors(spec, raw, path)
@@ -293,7 +295,7 @@ def _chat_errors(prefix: str, d, init_from: str | None, visible: Callable[[Path]
     if tok_path is None:
         errors.append((f"{prefix}.tokenizer", f"kind {d.kind!r} needs a tokenizer directory (tokenizer.json and "
                        "tokenizer_config.json), or model.init_from's"))  # fmt: skip
-    elif visible(Path(tok_path)):
+    elif visible(Path(tok_path)) and (d.tokenizer or Path(tok_path).expanduser().is_dir()):  # a missing init_from: said once
         field = f"{prefix}.tokenizer" if d.tokenizer else "model.init_from"
         try:
             tok = load_chat_tokenizer(tok_path, template_text(d.chat_template))
