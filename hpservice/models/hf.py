@@ -359,12 +359,19 @@ def _fill_from_hf(files: _SafetensorsDir, name: str, param: torch.Tensor, cfg: L
     shape = tuple(source.get_shape())
     if shape != tuple(param.shape):
         raise HFFormatError(f"{files.path}: tensor {key} has shape {list(shape)}, our {name} needs {list(param.shape)}")
+    copy_local_piece(source, param, rotary=cfg.hf_rotate_half and name.endswith(_ROTARY), head_dim=cfg.head_dim)
+
+
+def copy_local_piece(source, param: torch.Tensor, *, rotary: bool, head_dim: int) -> None:
+    """Fill this rank's piece of ``param`` (sharded or not) from the safetensors slice ``source``
+    of the whole tensor, reading only that rectangle; ``rotary``: the rows are Hugging Face's
+    half-split query/key rows, reordered to our interleaved ones."""
     offset, local_shape, local = _region(param)
     if local.numel() == 0:
         return
     cols = [slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True)]
-    if cfg.hf_rotate_half and name.endswith(_ROTARY):
-        lo, hi, index = _rotary_rows(offset[0], local_shape[0], cfg.head_dim)
+    if rotary:
+        lo, hi, index = _rotary_rows(offset[0], local_shape[0], head_dim)
         value = source[(slice(lo, hi), *cols)][index]
     else:
         value = source[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from hpservice.inputs import MAX_JSON_BYTES, load_json, open_input, opened_path, read_input
 
-from .hf import _ROTARY, _rotary_rows, _to_hf_layout, hf_name
+from .hf import _ROTARY, _to_hf_layout, copy_local_piece, hf_name
 from .lora import LoRALinear, LoraSettings
 
 __all__ = ["AdapterError", "adapter_config", "load_adapter", "peft_key", "peft_tensors", "read_adapter_config"]
@@ -95,8 +95,6 @@ def load_adapter(model: nn.Module, path: str | Path, *, whole: bool = True) -> i
     may hold no other (a different base or targets)."""
     from safetensors import safe_open
 
-    from .hf import _region
-
     path = Path(path)
     cfg = model.cfg
     wanted = {}
@@ -118,17 +116,8 @@ def load_adapter(model: nn.Module, path: str | Path, *, whole: bool = True) -> i
             shape = tuple(source.get_shape())
             if shape != tuple(param.shape):
                 raise AdapterError(f"{path}: {key} has shape {list(shape)}, the model's {module}.{which} needs {list(param.shape)}")
-            offset, local_shape, local = _region(param)
-            if local.numel() == 0:
-                continue
-            rows = slice(offset[0], offset[0] + local_shape[0])
-            cols = slice(offset[1], offset[1] + local_shape[1])
-            if which == "lora_B" and cfg.hf_rotate_half and f"{module}.weight".endswith(_ROTARY):
-                lo, hi, index = _rotary_rows(offset[0], local_shape[0], cfg.head_dim)
-                value = source[lo:hi, cols][index]
-            else:
-                value = source[rows, cols]
-            local.copy_(value.to(local.dtype))
+            rotary = which == "lora_B" and cfg.hf_rotate_half and f"{module}.weight".endswith(_ROTARY)
+            copy_local_piece(source, param, rotary=rotary, head_dim=cfg.head_dim)
     return len(wanted)
 
 

@@ -45,6 +45,7 @@ from hpservice.fsdp import FSDPModule
 from hpservice.models.lora import LoRALinear
 
 from ._loss import cross_entropy_loss
+from ._memory import local_bytes
 
 __all__ = ["DPOLoss", "PipelineDPOLoss", "build_reference", "pack_target", "pipelined_logps", "sequence_logps"]
 
@@ -263,11 +264,10 @@ class _FrozenCopy(_Live):
         for part in parts:
             part.requires_grad_(False)
             part.eval()
+        self._bytes = sum(local_bytes(p) for part in parts for p in part.parameters())
 
     def held_bytes(self) -> int:
-        from ._memory import local_bytes
-
-        return sum(local_bytes(p) for part in self.parts for p in part.parameters())
+        return self._bytes
 
     @contextlib.contextmanager
     def model(self):

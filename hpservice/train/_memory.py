@@ -46,15 +46,21 @@ class TrainingStateMemory:
 
     def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, counts: dict):
         self.model_parts, self.optimizer, self.counts = model_parts, optimizer, counts
+        self._measured: dict | None = None  # fixed once the optimizer holds its state
 
     def record(self) -> dict:
-        params = {id(p): p for part in self.model_parts for p in part.parameters()}.values()
-        optimizer_state = sum(
-            local_bytes(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
-        )
-        return {
-            **self.counts,
-            "params_gib": sum(local_bytes(p) for p in params) / _GIB,
-            "grads_gib": sum(local_bytes(p) for p in params if p.requires_grad) / _GIB,
-            "optimizer_state_gib": optimizer_state / _GIB,
-        }
+        """Measured after the first optimizer step and kept: the layout and the state do not change."""
+        if self._measured is None:
+            params = {id(p): p for part in self.model_parts for p in part.parameters()}.values()
+            optimizer_state = sum(
+                local_bytes(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            )
+            measured = {
+                "params_gib": sum(local_bytes(p) for p in params) / _GIB,
+                "grads_gib": sum(local_bytes(p) for p in params if p.requires_grad) / _GIB,
+                "optimizer_state_gib": optimizer_state / _GIB,
+            }
+            if not self.optimizer.state:  # before the first step: measure again
+                return {**self.counts, **measured}
+            self._measured = measured
+        return {**self.counts, **self._measured}

@@ -80,13 +80,13 @@ def _train(spec):
     return [r["loss"] for r in records], [(b.inputs.cpu(), b.labels.cpu()) for b in batches], weights, layouts
 
 
-def _peft_reference(base, adapter, batches):
+def _peft_reference(base, adapter, batches, eps=1e-8):
     import peft
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3, betas=(0.9, 0.95), eps=1e-8,
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3, betas=(0.9, 0.95), eps=eps,
                             weight_decay=0.0)  # fmt: skip
     losses = []
     for inputs, labels in batches:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hpservice.spec import parse_job
+from tests.models.test_lora import _ours_as_peft, _peft_reference
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS = 3
@@ -86,25 +87,6 @@ def _train(spec):
     return [r["loss"] for r in records], [(b.inputs, b.labels) for b in batches], adapters, nf4, records[-1]
 
 
-def _peft_reference(base, adapter, batches):
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3, betas=(0.9, 0.95), eps=1e-6,
-                            weight_decay=0.0)  # fmt: skip
-    losses = []
-    for inputs, labels in batches:
-        logits = model(input_ids=inputs).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in model.state_dict().items() if "lora_" in k}
-
-
 @pytest.mark.parametrize(("world", "parallelism"), [(1, {}), (2, {"dp_shard": 2})], ids=["one", "fsdp2"])
 def test_qlora_trains_as_peft_on_the_dequantised_base(ranks, tmp_path, dirs, world, parallelism):
     base, adapter, dequantised = dirs
@@ -112,17 +94,12 @@ def test_qlora_trains_as_peft_on_the_dequantised_base(ranks, tmp_path, dirs, wor
     losses, _, adapters, nf4, record = outs[0]
     assert nf4 == 2 * 7  # every adapted weight of the 2 blocks is held in NF4
     batches = [tuple(torch.cat([o[1][s][i] for o in outs]) for i in range(2)) for s in range(STEPS)]
-    want_losses, want_adapters = _peft_reference(dequantised, adapter, batches)
+    want_losses, want_adapters = _peft_reference(dequantised, adapter, batches, eps=1e-6)
     assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
-    from hpservice.models.hf import config_from_hf
-    from hpservice.models.peft_adapter import peft_tensors
-
-    cfg = config_from_hf(base)
-    for k, v in adapters.items():  # under PEFT's keys and layout (the export's mapping)
-        module, which = k.rsplit(".", 1)
-        for key, value in peft_tensors(module, which, v, cfg).items():
-            want = want_adapters[key.replace(f".{which}.weight", f".{which}.default.weight")]
-            assert (value - want).abs().max().item() < 1e-5, key
+    got = _ours_as_peft(adapters, base)  # under PEFT's keys and layout (the export's mapping)
+    assert {k.replace(".default", "") for k in want_adapters} == set(got)
+    for k, v in want_adapters.items():
+        assert (got[k.replace(".default", "")] - v).abs().max().item() < 1e-5, k
     # the base's adapted weights: 4-bit codes and their scalers (0.5 + 1/64 + 4/16384 bytes a weight),
     # sharded by rows over the fully_shard ranks like every other parameter; the rest fp32
     adapted = 2 * (4 * 256 * 256 + 3 * 256 * 512)
