@@ -8,9 +8,8 @@ import httpx
 import pytest
 
 from hpservice.actors.head import running_head, stop_head
-from hpservice.launch import free_port
 from hpservice.train._hold import HOLD_FILE_ENV
-from tests.api._serve import kill_server, start_server, wait_for
+from tests.api._serve import kill_server, start_ready_server, wait_for
 
 SPEC = {
     "name": "replicated",
@@ -33,18 +32,15 @@ def test_two_serve_replicas_one_killed_mid_job(tmp_path, monkeypatch):
     hold = tmp_path / "hold"  # jobs train to step 5 and wait there until the test removes it
     hold.write_text("5")
     monkeypatch.setenv(HOLD_FILE_ENV, str(hold))  # inherited by the servers, their Ray head, the workers
-    # each port is picked just before its server starts: replica 1's Ray head binds free ports of
-    # its own meanwhile (its dashboard once took the port kept for replica 2, and answered for it)
-    ports = [free_port()]
-    urls = [f"http://127.0.0.1:{ports[0]}"]
-    servers = []
+    # each port is picked just before its server starts, and picked again if it was taken before the
+    # server bound it: replica 1's Ray head binds free ports of its own meanwhile (its dashboard once
+    # took the port kept for replica 2, and once the one picked for replica 1 itself)
+    servers, urls = [], []
     try:
-        servers.append(start_server(tmp_path, data, ports[0], 1, "--num-cpus", "3", "--lease-ttl-s", "3"))
-        wait_for(lambda: httpx.get(f"{urls[0]}/readyz", timeout=5).status_code == 200, 240, "replica 1")
-        ports.append(free_port())
-        urls.append(f"http://127.0.0.1:{ports[1]}")
-        servers.append(start_server(tmp_path, data, ports[1], 2, "--lease-ttl-s", "3"))  # joins replica 1's Ray head
-        wait_for(lambda: httpx.get(f"{urls[1]}/readyz", timeout=5).status_code == 200, 240, "replica 2")
+        for n, extra in ((1, ("--num-cpus", "3")), (2, ())):  # replica 2 joins replica 1's Ray head
+            proc, url = start_ready_server(tmp_path, data, n, *extra, "--lease-ttl-s", "3")
+            servers.append(proc)
+            urls.append(url)
         roles = wait_for(lambda: sorted(r := [_role(u) for u in urls]) == ["leader", "standby"] and r, 60, "a leader")
         leader = roles.index("leader")
         standby = 1 - leader
