@@ -119,11 +119,13 @@ def _groups(logits: DTensor) -> list:
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: DTensor, target: torch.Tensor, ignore_index: int, reduction: str):
-        spec = logits._spec
-        groups = _groups(logits)
-        local = logits._wait_local()
+        # a plain tensor is one rank's piece computed alone (no collective): the memory estimate
+        # runs this on fake tensors to count what the loss allocates (hpservice/memory)
+        spec = logits._spec if isinstance(logits, DTensor) else None
+        groups = _groups(logits) if spec is not None else []
+        local = logits._wait_local() if spec is not None else logits
         vocab = local.shape[-1]
-        lo = spec.local_offset[-1]
+        lo = spec.local_offset[-1] if spec is not None else 0
         t = target.reshape(-1).to(local.device)
         n = t.numel()
         x = local.reshape(n, vocab).float()
@@ -152,6 +154,7 @@ class _VocabParallelCE(torch.autograd.Function):
         count = valid.sum()
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), safe_t, mine, valid, count)
         ctx.spec, ctx.dtype, ctx.reduction, ctx.shape = spec, local.dtype, reduction, tuple(target.shape)
+        ctx.local_shape = tuple(local.shape)
         if reduction == "mean":
             out = loss.sum() / count
         elif reduction == "sum":
@@ -164,9 +167,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         softmax, safe_t, mine, valid, count = ctx.saved_tensors
         grad = softmax.clone()
-        if grad.shape[-1]:
-            rows = mine.nonzero().squeeze(-1)
-            grad[rows, safe_t[rows]] -= 1.0
+        if grad.shape[-1]:  # minus one at each row's own target (adding -0.0 elsewhere): no host sync
+            grad.scatter_add_(1, safe_t.unsqueeze(-1), mine.to(grad.dtype).neg().unsqueeze(-1))
         grad.masked_fill_(~valid.unsqueeze(-1), 0.0)
         if ctx.reduction == "mean":
             grad.mul_(grad_out.float() / count)
@@ -174,5 +176,7 @@ class _VocabParallelCE(torch.autograd.Function):
             grad.mul_(grad_out.float())
         else:
             grad.mul_(grad_out.float().reshape(-1, 1))
+        if ctx.spec is None:
+            return grad.to(ctx.dtype).reshape(ctx.local_shape), None, None, None
         local = grad.to(ctx.dtype).reshape(ctx.spec.local_shape)
         return DTensor(local, ctx.spec, requires_grad=False), None, None, None

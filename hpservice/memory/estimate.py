@@ -1,0 +1,255 @@
+"""A job's peak memory per rank, before anything runs: ``estimate(spec, device=...)``.
+
+Per pp rank (the ranks of one stage hold the same; data-, tensor-, context- and expert-parallel
+ranks hold the same but for rounding), by component, in bytes:
+
+- **parameters, gradients, optimizer state**: this rank's pieces as the trainer lays them out
+  (``_layout``): fully_shard's flat shard of every unit (``C`` padded elements in the parameters'
+  dtype) and its gradient buffer of the same size (allocated for frozen parameters too); AdamW's
+  two fp32 moments (SGD's momentum) of the trainable parameters' real elements; QLoRA's NF4 base
+  at its 4-bit size; with tensor parallelism alone (no fully_shard) each parameter's local piece
+  and a gradient per trainable one.
+- **fully_shard buffers** kept across steps (``fsdp/_fsdp_param_group.py``): the reduce-scatter
+  output (``C``, reduce dtype), the all-gather input when mixed precision casts (``C``); on CPU also
+  the all-gather output and the reduce-scatter input (``S x C`` each), which an accelerator frees
+  after each use.
+- **DPO reference**: the frozen copy (``reference: copy``: a second model sharded like the
+  policy, with its own fully_shard buffers) or the starting adapter (``initial_adapter``).
+- **gathered parameters and gradients** (held at the peak, backward's start): the root's unsharded
+  parameters (gathered at the root's forward, resharded after the whole backward) and the last
+  block's (kept after its forward), or every block's with ``reshard_after_forward: false``; a
+  pipeline stage holds all its parameters and their gradients unsharded (resharded and reduced
+  after its last micro-batch); on an accelerator one unit's all-gather output and reduce-scatter
+  input besides.
+- **activations and loss**: one micro-batch's forward and backward run on fake tensors through
+  this rank's local part (``_activations.trace_step``: saved tensors, logits, the loss's copies,
+  recomputation under activation checkpointing, the backward's temporaries, as the code allocates
+  them); a pipeline rank keeps the activations of as many micro-batches as its schedule holds at
+  once (``parallel.pipelining.simulate``).
+- **optimizer step temporaries**: AdamW's per-parameter step (torch's single-tensor path, which
+  hpservice's DTensor parameters take) allocates two tensors the size of the parameter.
+
+The peak is the persistent part plus the larger of the forward/backward part and the optimizer
+step's. What is not in it (the assumptions, also in every estimate's ``assumptions``): the
+caching allocator's fragmentation and reserve on an accelerator (budget ~5-10%), the CUDA
+context and NCCL's own buffers (~0.5-1 GiB per GPU), Python and library memory on CPU, routing
+imbalance beyond uniform under expert parallelism (``ep_imbalance``), and ``torch.compile``'s
+effects (compiled regions can save less).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["COMPONENTS", "MemoryEstimate", "RankMemory", "estimate"]
+
+PERSISTENT = ("parameters", "gradients", "optimizer state", "fully_shard buffers", "DPO reference")
+TRANSIENT = ("gathered parameters and gradients", "activations and loss", "optimizer step temporaries")
+COMPONENTS = PERSISTENT + TRANSIENT
+
+_DTYPE_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclasses.dataclass
+class RankMemory:
+    """One pp rank's estimate (every rank when there is no pipeline)."""
+
+    ranks: str  # which ranks: "every rank", "pp rank 0 (stages 0, 2)"
+    components: dict[str, int]  # bytes, COMPONENTS' names
+    phase: str = ""  # where the peak is: "forward and backward" or "optimizer step"
+    # fully_shard's gradient buffers stay; plain (tensor-parallel only) gradients exist from the
+    # backward to the optimizer step, when the activations are gone
+    flat_gradients: bool = True
+
+    def _parts(self) -> tuple[int, int, int]:
+        c = self.components
+        grads = c.get("gradients", 0)
+        persistent = sum(c.get(k, 0) for k in PERSISTENT) - (0 if self.flat_gradients else grads)
+        step = c.get("gathered parameters and gradients", 0) + c.get("activations and loss", 0)
+        optimizer = c.get("optimizer step temporaries", 0) + (0 if self.flat_gradients else grads)
+        return persistent, step, optimizer
+
+    @property
+    def peak(self) -> int:
+        persistent, step, optimizer = self._parts()
+        return persistent + max(step, optimizer)
+
+    def __post_init__(self) -> None:
+        _, step, optimizer = self._parts()
+        self.phase = self.phase or ("forward and backward" if step >= optimizer else "optimizer step")
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    device: str  # "cuda" or "cpu": what the ranks run on
+    ranks: list[RankMemory]
+    assumptions: list[str]
+    micro_batch: int  # rows per rank per micro-batch
+    traced: bool  # activations from the fake-tensor run (else the formula)
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    def record(self) -> dict:
+        """What the job's record and the page show (GiB)."""
+        return {
+            "device": self.device,
+            "peak_gib": round(self.peak / 2**30, 4),
+            "micro_batch": self.micro_batch,
+            "ranks": [
+                {"ranks": r.ranks, "peak_gib": round(r.peak / 2**30, 4), "phase": r.phase,
+                 "components_gib": {k: round(v / 2**30, 4) for k, v in r.components.items() if v}}
+                for r in self.ranks
+            ],
+            "assumptions": self.assumptions,
+        }
+
+    def breakdown(self, indent: str = "  ") -> str:
+        lines = []
+        for r in self.ranks:
+            lines.append(f"{indent}{r.ranks}: {gib(r.peak)} at its peak ({r.phase})")
+            lines += [f"{indent}  {k:<36}{gib(v):>12}" for k, v in r.components.items() if v]
+        return "\n".join(lines)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.1f} MiB"
+
+
+def micro_rows(spec) -> int:
+    """Rows (sequences) of one rank's micro-batch: a preference pair is two."""
+    from hpservice.parallel_dims import ParallelDims
+
+    p = spec.parallelism
+    dims = ParallelDims.from_spec(p, spec.resources.workers)
+    micro = p.microbatches(spec.training.grad_accum) if p.pp > 1 else spec.training.grad_accum
+    rows = max(1, spec.data.global_batch // (dims.dp_size * micro))
+    return 2 * rows if spec.objective.kind == "dpo" else rows
+
+
+def _pipeline_held(spec) -> dict[int, int]:
+    """The most micro-batches each pp rank holds activations of at once (its schedule simulated)."""
+    from hpservice.parallel.pipelining import compute_order, simulate, with_communication
+
+    p = spec.parallelism
+    m = p.microbatches(spec.training.grad_accum)
+    timeline = simulate(with_communication(compute_order(p.pp_schedule, p.pp, m, p.pp_virtual_stages), p.pp), p.pp)
+    return dict(timeline.peak_activations)
+
+
+def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
+    """The per-rank estimate of ``spec`` running on ``device`` ranks (module doc). Builds the model
+    on the meta device (a factory's too), so it needs what ``build_meta_model`` needs: for
+    ``init_from``, its config.json."""
+    from ._activations import formula_bytes, trace_step
+    from ._layout import fsdp_units, rank_parts
+
+    p, t = spec.parallelism, spec.training
+    from hpservice.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_spec(p, spec.resources.workers)
+    fsdp = bool(dims.fsdp_dim_names)
+    shard_ranks = dims.dp_shard * dims.cp if fsdp else 1
+    param_b = _DTYPE_BYTES[p.mixed_precision]
+    reduce_b = 4
+    lora = spec.model.lora
+    nf4 = lora is not None and lora.quantize_base == "nf4"
+    rows, seq = micro_rows(spec), math.ceil(spec.data.seq_len / p.cp)
+    held = _pipeline_held(spec) if p.pp > 1 else {0: 1}
+    last_stage = p.pp * p.pp_virtual_stages - 1
+    opt_state = {"adamw": 8, "sgd": 4 if spec.optimizer.momentum else 0}[spec.optimizer.name]
+    untraced = None  # why the activations came from the formula
+    ranks = []
+    for pp_rank in range(p.pp):
+        _, stages, frozen = rank_parts(spec, pp_rank)
+        c = dict.fromkeys(COMPONENTS, 0)
+        units = []
+        saved_per_micro = peak_one = 0
+        for stage, part in stages:
+            cfg = getattr(part, "cfg", None)
+            part_units = fsdp_units(part, frozen, shard_ranks, p.ep, nf4)
+            units += part_units
+            dim = cfg.dim if cfg is not None else 0
+            traced = trace_step(
+                part, spec, frozen, first=stage == 0, last=stage == last_stage, rows=rows, seq=seq, dim=dim, device=device
+            )
+            if isinstance(traced, str):
+                untraced = traced
+                blocks = len(getattr(part, "layers", []) or [])
+                vocab = math.ceil(cfg.vocab_size / p.tp) if stage == last_stage else None
+                traced = formula_bytes(cfg, rows * seq, blocks, p.tp, param_b, t.activation_checkpointing != "none", vocab)
+            saved, peak = traced
+            saved_per_micro += saved
+            peak_one = max(peak_one, peak)
+        trainable = sum(u.trainable for u in units)
+        if fsdp:
+            c["parameters"] = sum(u.shard for u in units) * 4 + sum(u.nf4_bytes for u in units)
+            c["gradients"] = sum(u.shard for u in units if u.shard) * 4
+            scratch = sum(u.shard * reduce_b + (u.shard * param_b if param_b != 4 or p.cpu_offload else 0) for u in units)
+            if device == "cpu":
+                scratch += sum(u.unsharded * (param_b + reduce_b) for u in units)
+            c["fully_shard buffers"] = scratch
+        else:
+            c["parameters"] = sum(u.real for u in units) * 4
+            c["gradients"] = trainable * 4
+        c["optimizer state"] = trainable * opt_state
+        if spec.objective.kind == "dpo":
+            ref = spec.objective.reference
+            if ref == "copy" or (ref == "auto" and lora is None):
+                c["DPO reference"] = c["parameters"] + c["fully_shard buffers"] + c["gradients"]
+            elif ref == "initial_adapter":
+                c["DPO reference"] = trainable * 4
+        # held during forward and backward
+        block_units = [u for u in units if u.name != "root"]
+        root = next((u for u in units if u.name == "root"), None)
+        if fsdp:
+            # at the peak (backward's start): the root, and the last block (kept after its forward),
+            # or every block where none is resharded; the gradients come as activations go
+            blocks_held = (
+                sum(u.unsharded for u in block_units)
+                if (p.pp > 1 or not p.reshard_after_forward)
+                else max((u.unsharded for u in block_units), default=0)
+            )
+            gathered = ((root.unsharded if root else 0) + blocks_held) * param_b
+            if p.pp > 1:  # a stage's gradients stay unsharded until its last micro-batch
+                gathered += sum(u.unsharded for u in units) * param_b
+            if device != "cpu":  # one unit's all-gather output and reduce-scatter input at a time
+                gathered += max((u.unsharded for u in units), default=0) * (param_b + reduce_b)
+            c["gathered parameters and gradients"] = gathered
+        in_flight = held.get(pp_rank, 1)
+        c["activations and loss"] = (in_flight - 1) * saved_per_micro + peak_one
+        largest_trainable = max((u.largest_trainable for u in units), default=0)
+        c["optimizer step temporaries"] = 2 * largest_trainable * 4 if opt_state else 0
+        label = "every rank" if p.pp == 1 else f"pp rank {pp_rank} (stage{'s' if len(stages) > 1 else ''} {', '.join(str(s) for s, _ in stages)})"
+        ranks.append(RankMemory(label, c, flat_gradients=fsdp))
+    return MemoryEstimate(device, ranks, _assumptions(spec, device, untraced), micro_rows(spec), untraced is None)
+
+
+def _assumptions(spec, device: str, untraced: str | None) -> list[str]:
+    out = [
+        "tensor memory only: "
+        + (
+            "add the CUDA context, NCCL's buffers and the caching allocator's reserve (about 1 GiB and 5-10%)"
+            if device == "cuda"
+            else "Python, the libraries and the allocator's slack come on top"
+        ),
+        "activations from one micro-batch run on fake tensors through this rank's part"
+        if untraced is None
+        else f"activations by formula: the model did not run on fake tensors ({untraced})",
+    ]
+    p = spec.parallelism
+    if p.ep > 1:
+        out.append("expert parallelism: routing as uniform; a skewed router sends more tokens to the busiest rank")
+    if p.cp > 1:
+        out.append("context parallelism: attention as on the rank's own sequence part; ring buffers not counted")
+    if spec.training.compile:
+        out.append("torch.compile: estimated as eager (compiled regions usually save less)")
+    if p.cpu_offload:
+        out.append("cpu_offload: the shards, gradients and optimizer state are counted though they live in host memory")
+    return out
