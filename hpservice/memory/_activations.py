@@ -54,10 +54,13 @@ def trace_step(
     if getattr(part, "layers", None) is not None:
         apply_activation_checkpointing(part, spec)
     try:
+        if compute != torch.float32:  # fully_shard's mixed precision: the parameters, not the buffers
+            for module in part.modules():
+                for name, p in list(module.named_parameters(recurse=False)):
+                    if p.is_floating_point():
+                        module.register_parameter(name, nn.Parameter(p.detach().to(compute), p.requires_grad))
         with FakeTensorMode(allow_non_fake_inputs=True), TensorMemoryTracker() as mem:
             part.to_empty(device=device)  # tracked from here: views of the parameters are not new memory
-            if compute != torch.float32:
-                part.to(compute)
             if hasattr(part, "init_buffers"):
                 part.init_buffers()
             for name, p in part.named_parameters():
@@ -94,13 +97,13 @@ def formula_bytes(cfg, tokens: int, blocks: int, tp: int, act_bytes: int, checkp
     """(saved, peak) of one micro-batch by formula, for a model that cannot be traced: per block
     the norms' inputs and outputs (4 h), q/k/v (h + 2 kv), the attention output (h), the
     feed-forward's inputs of its nonlinearity and product (4 f, f the routed experts' top_k x
-    hidden plus the shared ones for a mixture of experts); the logits and their float32 copy and
+    hidden plus the shared ones for a mixture of experts: experts_per_token); the logits and their float32 copy and
     gradient; with activation checkpointing each block keeps its input and one recomputes."""
     h = cfg.dim
     kv = getattr(cfg, "n_kv_heads", cfg.n_heads) * cfg.head_dim
     f = cfg.ffn_hidden_dim
     if getattr(cfg, "num_experts", 0):
-        f = cfg.top_k * cfg.moe_hidden_dim + getattr(cfg, "n_shared_experts", 0) * cfg.moe_hidden_dim
+        f = (cfg.experts_per_token + getattr(cfg, "n_shared_experts", 0)) * cfg.moe_hidden_dim
     block = tokens * (4 * h + (h + 2 * kv + h + 4 * f) // tp) * act_bytes
     logits = 3 * tokens * vocab_local * 4 if vocab_local else 0
     saved = (blocks * tokens * h * act_bytes + block) if checkpointed else blocks * block

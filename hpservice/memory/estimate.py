@@ -208,22 +208,32 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
         # held during forward and backward
         block_units = [u for u in units if u.name != "root"]
         root = next((u for u in units if u.name == "root"), None)
+        unsharded = sum(u.unsharded for u in units)
+        gathered = grads_kept = 0
         if fsdp:
             # at the peak (backward's start): the root, and the last block (kept after its forward),
-            # or every block where none is resharded; the gradients come as activations go
+            # or every block where none is resharded (a pipeline stage reshards after its last
+            # micro-batch); the gradients come as activations go
             blocks_held = (
                 sum(u.unsharded for u in block_units)
                 if (p.pp > 1 or not p.reshard_after_forward)
                 else max((u.unsharded for u in block_units), default=0)
             )
             gathered = ((root.unsharded if root else 0) + blocks_held) * param_b
-            if p.pp > 1:  # a stage's gradients stay unsharded until its last micro-batch
-                gathered += sum(u.unsharded for u in units) * param_b
             if device != "cpu":  # one unit's all-gather output and reduce-scatter input at a time
                 gathered += max((u.unsharded for u in units), default=0) * (param_b + reduce_b)
-            c["gathered parameters and gradients"] = gathered
+        if p.pp > 1 or t.grad_accum > 1:  # unsharded (unreduced) gradients kept between micro-batches
+            grads_kept = unsharded * param_b if fsdp else trainable * 4
         in_flight = held.get(pp_rank, 1)
-        c["activations and loss"] = (in_flight - 1) * saved_per_micro + peak_one
+        micro = p.microbatches(t.grad_accum) if p.pp > 1 else t.grad_accum
+        activations = (in_flight - 1) * saved_per_micro + peak_one
+        if grads_kept and micro > in_flight:  # a micro-batch's backward runs after another's gradients exist
+            gathered += grads_kept
+        elif grads_kept and in_flight > 1 and grads_kept > saved_per_micro:  # after the first backward, one fewer held
+            gathered += grads_kept
+            activations -= saved_per_micro
+        c["gathered parameters and gradients"] = gathered
+        c["activations and loss"] = activations
         largest_trainable = max((u.largest_trainable for u in units), default=0)
         c["optimizer step temporaries"] = 2 * largest_trainable * 4 if opt_state else 0
         label = "every rank" if p.pp == 1 else f"pp rank {pp_rank} (stage{'s' if len(stages) > 1 else ''} {', '.join(str(s) for s, _ in stages)})"

@@ -274,7 +274,7 @@ class Trainer:
             if batch.document_ids is not None:  # a job built in code, past the spec's check
                 raise TrainingError(f"parallelism.pp: {refusal('documents_with_pp')}")
             losses: list[torch.Tensor] = []
-            self.pipeline.step(batch.inputs, target=batch.labels, losses=losses)
+            self.pipeline.step(batch.inputs, target=batch.labels, losses=losses, return_outputs=False)
             if losses:
                 loss_sum += torch.stack(losses).mean()
             return loss_sum
@@ -323,7 +323,7 @@ class Trainer:
             with ref.model():
                 ref_rows = pipelined_logps(getattr(ref, "pipeline", None) or self.pipeline, self.pipeline_loss, batch)
         losses: list[torch.Tensor] = []
-        self.pipeline.step(batch.inputs, target=pack_target(batch.labels, ref_rows), losses=losses)
+        self.pipeline.step(batch.inputs, target=pack_target(batch.labels, ref_rows), losses=losses, return_outputs=False)
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
     def _dpo_forward(self, model: nn.Module, part) -> tuple:

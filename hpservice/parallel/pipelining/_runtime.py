@@ -101,13 +101,15 @@ class _Schedule:
         # per stage, the micro-batch whose backward (or weight gradient) runs last: fully_shard syncs there
         self._last_backward = {a.stage: a.microbatch for a in self.program if a.kind in (B, W)}
 
-    def step(self, *args, target=None, losses: list | None = None):
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True):
         """One step over ``n_microbatches`` slices (dim 0) of ``args`` (used by stage 0) and
         ``target`` (used by the last stage, with ``loss_fn``); the last stage appends each
-        micro-batch's loss to ``losses``. Returns the last stage's outputs, concatenated."""
+        micro-batch's loss to ``losses``. Returns the last stage's outputs, concatenated, or with
+        ``return_outputs=False`` (torch's argument) None: every micro-batch's output (a language
+        model's logits) is then not kept to the end of the step."""
         split = any(a.kind is W for a in self.program)
         with _gathered([s.submod for s in self.stages]) if split else contextlib.nullcontext():
-            out = self._execute(self.program, args, target, losses)
+            out = self._execute(self.program, args, target, losses, return_outputs)
         if self.scale_grads:
             for stage in self.stages:
                 for p in stage.submod.parameters():
@@ -126,14 +128,14 @@ class _Schedule:
             self._eval_program = with_communication(order, self.pp)[rank]
         return self._execute(self._eval_program, args, target, losses)
 
-    def _execute(self, program: list[Action], args, target, losses: list | None):
+    def _execute(self, program: list[Action], args, target, losses: list | None, return_outputs: bool = True):
         m = self.n_microbatches
         inputs = [torch.tensor_split(a, m) for a in args] if args else None
         targets = torch.tensor_split(target, m) if target is not None else None
         state: dict[tuple, object] = {}  # (kind, stage, micro-batch) -> tensors
         self._losses: dict[int, torch.Tensor] = {}
         pending: list = []  # sends in flight, with their tensors
-        outputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] | None = {} if return_outputs else None
         for action in program:
             self._run(action, state, pending, inputs, targets, outputs)
         for work in pending:
@@ -154,13 +156,16 @@ class _Schedule:
             else:
                 x = (state.pop(("recv_f", s, i)).requires_grad_(),)
             out = stage.submod(*x)
-            state[("in", s, i)], state[("out", s, i)] = x, out
+            state[("in", s, i)] = x
+            if not stage.is_last:  # the last stage's backward starts from the loss: its output is not kept
+                state[("out", s, i)] = out
             if stage.is_last:
                 if self.loss_fn is not None:
                     loss = self.loss_fn(out, targets[i])
                     state[("loss", s, i)] = loss
                     self._losses[i] = loss.detach()
-                outputs[i] = out.detach()
+                if outputs is not None:
+                    outputs[i] = out.detach()
             elif s + 1 in self.by_index:
                 state[("act", s, i)] = out
             else:
