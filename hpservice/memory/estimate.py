@@ -147,7 +147,9 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
     """The per-rank estimate of ``spec`` running on ``device`` ranks (module doc). Builds the model
     on the meta device (a factory's too), so it needs what ``build_meta_model`` needs: for
     ``init_from``, its config.json."""
-    from ._activations import formula_bytes, trace_step
+    import torch
+
+    from ._activations import formula_bytes, trace_blocks
     from ._layout import fsdp_units, rank_parts
 
     p, t = spec.parallelism, spec.training
@@ -165,6 +167,9 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
     last_stage = p.pp * p.pp_virtual_stages - 1
     opt_state = {"adamw": 8, "sgd": 4 if spec.optimizer.momentum else 0}[spec.optimizer.name]
     untraced = None  # why the activations came from the formula
+    # fake CUDA tensors need a CUDA build; CPU kernels save the same tensors (flash attention: the
+    # output and its log-sum-exp)
+    trace_device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     ranks = []
     for pp_rank in range(p.pp):
         _, stages, frozen = rank_parts(spec, pp_rank)
@@ -176,8 +181,9 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
             part_units = fsdp_units(part, frozen, shard_ranks, p.ep, nf4)
             units += part_units
             dim = cfg.dim if cfg is not None else 0
-            traced = trace_step(
-                part, spec, frozen, first=stage == 0, last=stage == last_stage, rows=rows, seq=seq, dim=dim, device=device
+            traced = trace_blocks(
+                part, spec, frozen, first=stage == 0, last=stage == last_stage, rows=rows, seq=seq, dim=dim,
+                device=trace_device,
             )
             if isinstance(traced, str):
                 untraced = traced

@@ -52,6 +52,7 @@ from .model import (
     WandbSpec,
     did_you_mean,
     new_run_id,
+    parse_bytes,
 )
 from .reference import fields_reference
 
@@ -86,6 +87,7 @@ __all__ = [
     "apply_overrides",
     "check_bounds",
     "did_you_mean",
+    "parse_bytes",
     "fields_reference",
     "load_job",
     "new_run_id",

@@ -21,6 +21,29 @@ INT64 = (-(1 << 63), (1 << 63) - 1)  # integers are stored as int64
 MAX_OVERRIDES_BYTES = 64 << 10
 
 
+MAX_DEVICE_MEMORY = 1 << 44  # 16 TiB: more than any accelerator (or host) a worker has
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(value: int | str) -> int:
+    """``80GiB``, ``80 GB``, ``512MiB`` or a number of bytes, as bytes; a ``ValueError`` saying
+    why for anything else, for zero or less, and for more than ``MAX_DEVICE_MEMORY``."""
+    import re
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{value!r} is not a size: use bytes (an integer) or a string like 80GiB")
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _BYTE_UNITS:
+            raise ValueError(f"{value!r} is not a size: use bytes or a number with KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
+        value = int(float(m.group(1)) * _BYTE_UNITS[unit])
+    if value <= 0 or value > MAX_DEVICE_MEMORY:
+        raise ValueError(f"{value} bytes is not a device's memory: it must be more than 0 and at most 16 TiB")
+    return value
+
+
 class SpecError(ValueError):
     """An invalid job spec; ``errors`` lists (field path, message) pairs."""
 
@@ -345,6 +368,13 @@ class LRSchedulerSpec(_Section):
 
 
 class ParallelismSpec(_Section):
+    auto: bool = Field(
+        False,
+        description="let hpservice choose the layout (dp_shard, dp_replicate, tp, pp, cp, ep, training.grad_accum and "
+        "training.activation_checkpointing) that fits resources.device_memory with the lowest estimated step time; "
+        "the fields set beside it are kept as constraints. `parallelism: auto` is short for {auto: true}. Resolved "
+        "where the job is handed over (validate, run, submit): the job runs with the chosen fields (docs/memory.md)",
+    )
     dp_replicate: int = Field(1, ge=1, description="HSDP replicate groups (across nodes)")
     dp_shard: int = Field(-1, description="ranks a model is sharded over; -1 = the rest of the world")
     tp: int = Field(
@@ -409,6 +439,15 @@ class ParallelismSpec(_Section):
         "none", description="compute dtype of parameters in forward/backward (gradients reduce in fp32)"
     )
     cpu_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in CPU memory")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_shorthand(cls, data):
+        if data == "auto":
+            return {"auto": True}
+        if isinstance(data, str):
+            raise ValueError(f"{data!r} is not a layout: use auto, or a mapping of fields")
+        return data
 
     @field_validator("dp_shard")
     @classmethod
@@ -491,12 +530,24 @@ class ResourcesSpec(_Section):
         "failure.capacity_wait_s, go on with as few as this many (same global batch: more gradient accumulation), "
         "and grow back to workers at the next checkpoint once there is room; null: always all workers",
     )
+    device_memory: int | None = Field(
+        None,
+        description="memory of one worker's device (its GPU; its host share on CPU): bytes, or a string like 80GiB. "
+        "A job whose estimated peak per rank exceeds it is refused with the breakdown and layouts that fit; "
+        "parallelism: auto picks a layout under it. Default: what the cluster reports (the operator's "
+        "--device-memory, or the GPU type Ray knows); unset and unknown: not checked",
+    )
     placement: Literal["shard_group", "pack", "spread", "strict_pack"] = Field(
         "shard_group",
         description="where workers go: shard_group keeps each shard group (dp_shard x tp ranks) inside one node and "
         "lets dp_replicate span nodes (a group larger than every node is refused); pack, spread, strict_pack: one "
         "worker per placement-group bundle with Ray's strategy of that name (groups may span nodes)",
     )
+
+    @field_validator("device_memory", mode="before")
+    @classmethod
+    def _device_memory(cls, v):
+        return None if v is None else parse_bytes(v)
 
     @model_validator(mode="after")
     def _min_workers_at_most_workers(self):
@@ -673,6 +724,11 @@ class JobSpec(_Section):
         le=INT64[1],
         description="set by the service when it admits a job: the most bytes the job's directory may hold (its "
         "trainer stops the job past it); unset (no bound) under hpservice run; a submitted value is replaced",
+    )
+    memory_estimate: dict[str, Any] | None = Field(
+        None,
+        description="set by hpservice where the job is handed over (validate, run, submit): the per-rank memory "
+        "estimate (docs/memory.md), shown beside the measured peak; a submitted value is replaced",
     )
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)

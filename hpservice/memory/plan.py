@@ -1,0 +1,354 @@
+"""Where a job is handed over: does it fit its devices, and ``parallelism: auto``.
+
+- ``check_fit(spec, device_memory, device)``: the estimate (``estimate.py``) against the device's
+  memory. A job over it gets a ``SpecError`` with the breakdown of its fullest rank and the nearest
+  layouts that fit (one change each: more tensor or pipeline parallelism, activation
+  checkpointing, a smaller micro-batch, mixed precision), fastest first.
+- ``choose_layout(spec, device_memory, device)``: ``parallelism: auto``. Every layout of the
+  job's workers (dp_shard, dp_replicate, tp, pp, cp, ep, the micro-batch through
+  ``training.grad_accum``, activation checkpointing) that the spec's explicit fields allow and
+  ``preflight.check_layout`` accepts is timed by the cost model (``step_seconds``); in that order
+  each is estimated until two fit: the chosen one and the runner-up. None fitting is a
+  ``SpecError`` naming the closest rejected layouts and why each was rejected.
+
+The cost model of one step on one rank, in seconds::
+
+    compute / (1 - bubble)  +  exposed communication  +  micro-batches x overhead
+
+``compute`` is the family's training FLOPs per token (``ModelSpec.flops_per_token``, else 6 N)
+times the rank's share of the step's tokens (the global batch over every rank: data, tensor and
+context parallelism divide it alike), times 4/3 under full activation checkpointing (one forward
+again), over the device's sustained FLOP rate. ``bubble`` is the pipeline schedule's, simulated.
+Communication is the bytes each rank sends per step (ring algorithms, as ``bench plan`` counts
+them: fully_shard's all-gathers per micro-batch and its reduce-scatter, HSDP's all-reduce, tensor
+parallelism's four all-reduces per block and micro-batch, context parallelism's key/value
+exchange, the pipeline's activations, expert parallelism's all-to-all) at the link they cross
+(inside a node or across nodes); on an accelerator fully_shard's overlap with compute hides all
+but ``fsdp_exposed`` of it. ``DeviceProfile`` holds the rates: defaults per device kind, or
+measured ones (``python -m hpservice.bench memory`` measures this machine's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from hpservice.spec import JobSpec, SpecError
+
+from .estimate import MemoryEstimate, gib
+
+__all__ = ["DeviceProfile", "Fit", "check_fit", "choose_layout", "layout_label", "step_seconds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """Sustained rates of one device and its links (per device)."""
+
+    flops: float  # FLOP/s a training step sustains in the compute dtype
+    intra_gbs: float  # GB/s a device sends inside a node
+    inter_gbs: float  # GB/s a device sends across nodes
+    devices_per_node: int
+    overhead_s: float  # per micro-batch: launches, hooks, Python
+    fsdp_exposed: float  # share of fully_shard's communication that compute does not hide
+
+    @classmethod
+    def default(cls, device: str, mixed_precision: str = "bf16") -> DeviceProfile:
+        if device == "cuda":  # an H100 at ~40% of its dense peak; NVLink and 400 Gb/s InfiniBand
+            return cls(400e12 if mixed_precision != "none" else 50e12, 300.0, 40.0, 8, 2e-3, 0.2)
+        return cls(2e10, 1.0, 1.0, 1 << 16, 5e-3, 1.0)  # one CPU core, gloo on loopback
+
+
+@dataclasses.dataclass
+class Fit:
+    spec: JobSpec
+    seconds: float  # estimated step time
+    estimate: MemoryEstimate | None = None
+
+    @property
+    def label(self) -> str:
+        return layout_label(self.spec)
+
+
+# ---- the layout's name ---------------------------------------------------------------------------
+
+
+def layout_label(spec: JobSpec) -> str:
+    from hpservice.parallel_dims import ParallelDims
+
+    p, t = spec.parallelism, spec.training
+    dims = ParallelDims.from_spec(p, spec.resources.workers)
+    parts = [f"dp_shard {dims.dp_shard}"]
+    for name, value in (("dp_replicate", dims.dp_replicate), ("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+        if value > 1:
+            parts.append(f"{name} {value}")
+    from .estimate import micro_rows
+
+    parts.append(f"micro_batch {micro_rows(spec)}")
+    parts.append(f"activation_checkpointing {t.activation_checkpointing}")
+    return ", ".join(parts)
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+
+def _ring(kind: str, n: int, nbytes: float) -> float:
+    if n <= 1:
+        return 0.0
+    return nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
+
+
+def step_seconds(spec: JobSpec, cfg, params: int, profile: DeviceProfile, flops_per_token=None) -> float:
+    """The cost model's step time (module doc). ``cfg``: the model's config (None: a factory, whose
+    communication is counted from ``params`` alone); ``params``: its parameter count."""
+    from hpservice.parallel_dims import ParallelDims
+
+    p, t = spec.parallelism, spec.training
+    world = spec.resources.workers
+    dims = ParallelDims.from_spec(p, world)
+    seq = spec.data.seq_len
+    rows = spec.data.global_batch * (2 if spec.objective.kind == "dpo" else 1)
+    per_token = flops_per_token(cfg, seq) if (flops_per_token and cfg is not None) else 6 * params
+    recompute = {"none": 1.0, "selective": 1.1, "full": 4 / 3}[t.activation_checkpointing]
+    compute = per_token * rows * seq / world * recompute / profile.flops
+    bubble = 0.0
+    micro = t.grad_accum
+    if p.pp > 1:
+        from hpservice.parallel.pipelining import compute_order, simulate, with_communication
+
+        micro = p.microbatches(t.grad_accum)
+        bubble = simulate(with_communication(compute_order(p.pp_schedule, p.pp, micro, p.pp_virtual_stages), p.pp), p.pp).bubble
+    act_b = 2 if p.mixed_precision != "none" else 4
+    dim = cfg.dim if cfg is not None else int(math.sqrt(params / 12))
+    layers = cfg.n_layers if cfg is not None else 1
+    tokens_micro = rows * seq // (dims.dp_size * micro * p.cp)  # one rank's micro-batch
+    stage_params = params / (p.pp * p.tp)
+
+    def link(ranks_spanned: int) -> float:
+        return (profile.intra_gbs if ranks_spanned <= profile.devices_per_node else profile.inter_gbs) * 1e9
+
+    shard = dims.dp_shard * p.cp
+    span = shard * p.tp
+    ag = _ring("all_gather", shard, stage_params * act_b) * (2 * micro if p.reshard_after_forward else 1)
+    rs = _ring("reduce_scatter", shard, stage_params * 4)
+    fsdp = (ag + rs) / link(span)
+    hsdp = _ring("all_reduce", dims.dp_replicate, stage_params * 4 / max(shard, 1)) / link(world // p.pp)
+    block_layers = layers / p.pp
+    tp = _ring("all_reduce", p.tp, 4 * block_layers * tokens_micro * dim * act_b) * micro / link(p.tp)
+    kv = 2 * getattr(cfg, "n_kv_heads", getattr(cfg, "n_heads", 1)) * getattr(cfg, "head_dim", dim) if cfg is not None else dim
+    cp = 3 * block_layers * _ring("all_gather", p.cp, tokens_micro * p.cp * kv * act_b / p.tp) * micro / link(p.cp * p.tp)
+    pp = 2 * tokens_micro * dim * act_b * micro * (2 if 0 < p.pp - 1 else 0) / link(world // p.pp + 1) if p.pp > 1 else 0.0
+    ep = 0.0
+    if p.ep > 1 and cfg is not None and getattr(cfg, "num_experts", 0):
+        sparse = cfg.sparse_layers() if hasattr(cfg, "sparse_layers") else layers
+        ep = 4 * sparse / p.pp * tokens_micro * cfg.experts_per_token * dim * act_b * (p.ep - 1) / p.ep * micro / link(p.ep * p.tp)
+    exposed = fsdp * profile.fsdp_exposed + hsdp + tp + cp + pp + ep
+    return compute / (1 - bubble) + exposed + micro * profile.overhead_s
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+
+
+def _model_facts(spec: JobSpec):
+    """(config or None, parameter count, flops_per_token or None) of the job's model, on the meta device."""
+    from hpservice.models import MODEL_SPECS, build_model, resolve_name
+
+    m = spec.model
+    name = resolve_name(m.name, m.init_from)
+    model = build_model(name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
+    params = sum(p.numel() for p in model.parameters())
+    bundle = MODEL_SPECS.get(name)
+    return getattr(model, "cfg", None), params, bundle.flops_per_token if bundle is not None else None
+
+
+def _estimate(spec: JobSpec, device: str) -> MemoryEstimate | str:
+    from .estimate import estimate
+
+    try:
+        return estimate(spec, device=device)
+    except (ValueError, NotImplementedError, SpecError) as e:  # a layout the model cannot take
+        return str(e).splitlines()[0]
+    except Exception as e:  # noqa: BLE001 - the trainer's own refusals (TrainingError) and the like
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _over(spec: JobSpec, est: MemoryEstimate, device_memory: int) -> str:
+    r = est.worst
+    top = sorted(((k, v) for k, v in r.components.items() if v), key=lambda kv: -kv[1])[:3]
+    return (
+        f"needs {gib(r.peak)} on {r.ranks}, more than the {gib(device_memory)} of resources.device_memory "
+        f"(most: {', '.join(f'{k} {gib(v)}' for k, v in top)})"
+    )
+
+
+def check_fit(spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None) -> MemoryEstimate | None:
+    """The job's estimate (None where the model cannot be estimated here: its error is the
+    preflight's to report); a ``SpecError`` with the breakdown and the nearest layouts that fit
+    when it exceeds ``device_memory``."""
+    est = _estimate(spec, device)
+    if isinstance(est, str):
+        return None
+    if device_memory is None or est.peak <= device_memory:
+        return est
+    suggestions = nearest_fits(spec, device_memory, device, profile)
+    offer = (
+        "; it fits with " + ", or ".join(s for s, _ in suggestions)
+        if suggestions
+        else "; no single change of tp, pp, activation_checkpointing, the micro-batch or mixed_precision fits it"
+    )
+    message = _over(spec, est, device_memory) + offer
+    raise SpecError(
+        f"job spec: does not fit its devices\n  resources.device_memory: {message}\n{est.breakdown('    ')}",
+        [("resources.device_memory", message)],
+    )
+
+
+def _variant(spec: JobSpec, parallelism: dict | None = None, training: dict | None = None) -> JobSpec | None:
+    try:
+        return JobSpec.model_validate(
+            {
+                **spec.model_dump(by_alias=True),
+                "parallelism": {**spec.parallelism.model_dump(), **(parallelism or {})},
+                "training": {**spec.training.model_dump(), **(training or {})},
+            }
+        )
+    except (ValueError, SpecError):
+        return None
+
+
+def _valid(spec: JobSpec) -> str | None:
+    from hpservice.preflight import check_composition, check_layout
+
+    errors = check_layout(spec) + check_composition(spec)
+    return f"{errors[0][0]}: {errors[0][1]}" if errors else None
+
+
+def nearest_fits(spec: JobSpec, device_memory: int, device: str, profile: DeviceProfile | None = None, most: int = 3) -> list[tuple[str, float]]:
+    """One-change layouts of ``spec`` that fit, fastest first: ``(what to set, seconds)``."""
+    p, t = spec.parallelism, spec.training
+    changes: list[tuple[str, dict, dict]] = []
+    world = spec.resources.workers
+    for tp in (2, 4, 8):
+        if tp > p.tp and world % (tp * p.pp * p.cp) == 0:
+            changes.append((f"tp {tp}", {"tp": tp, "dp_shard": -1}, {}))
+    for pp in (2, 4, 8):
+        if pp > p.pp and world % (pp * p.tp * p.cp) == 0:
+            changes.append((f"pp {pp}", {"pp": pp, "dp_shard": -1}, {}))
+    for ac in ("selective", "full"):
+        if ac != t.activation_checkpointing and not (ac == "selective" and t.activation_checkpointing == "full"):
+            changes.append((f"activation_checkpointing: {ac}", {}, {"activation_checkpointing": ac}))
+    for accum in (2, 4, 8, 16):
+        changes.append((f"grad_accum {t.grad_accum * accum}", {}, {"grad_accum": t.grad_accum * accum}))
+    if p.mixed_precision == "none":
+        changes.append(("mixed_precision: bf16", {"mixed_precision": "bf16"}, {}))
+    cfg, params, fpt = _model_facts(spec)
+    profile = profile or DeviceProfile.default(device, p.mixed_precision)
+    fits: list[tuple[str, float]] = []
+    tried: set[str] = set()
+    for what, par, tr in changes:
+        if "grad_accum" in what and any(f.startswith("grad_accum") for f, _ in fits):
+            continue  # the smallest accumulation that fits is the one to offer
+        candidate = _variant(spec, par, tr)
+        if candidate is None or _valid(candidate) is not None:
+            continue
+        label = layout_label(candidate)
+        if label in tried:
+            continue
+        tried.add(label)
+        est = _estimate(candidate, device)
+        if isinstance(est, MemoryEstimate) and est.peak <= device_memory:
+            what = f"{what} ({gib(est.peak)} per rank)"
+            if what.startswith("grad_accum"):
+                what = f"micro_batch {est.micro_batch} ({what})"
+            fits.append((what, step_seconds(candidate, cfg, params, profile, fpt)))
+    fits.sort(key=lambda f: f[1])
+    return fits[:most]
+
+
+def _divisors(n: int, cap: int) -> list[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def candidates(spec: JobSpec, cfg) -> list[JobSpec]:
+    """Every layout of the job's workers the explicit fields allow (module doc), unchecked."""
+    p, t = spec.parallelism, spec.training
+    fixed_p = p.model_fields_set - {"auto"}
+    fixed_t = t.model_fields_set
+    world = spec.resources.workers
+    heads = getattr(cfg, "n_kv_heads", None) or getattr(cfg, "n_heads", None)
+    layers = getattr(cfg, "n_layers", 1)
+    experts = getattr(cfg, "num_experts", 0) or 0
+
+    def choices(name: str, values):
+        return [getattr(p, name)] if name in fixed_p else list(values)
+
+    tps = choices("tp", [d for d in _divisors(world, 8) if heads is None or heads % d == 0] if cfg is not None else [1])
+    pps = choices("pp", [d for d in _divisors(world, 8) if d <= layers] if cfg is not None else [1])
+    cps = choices("cp", [d for d in _divisors(world, 4) if spec.data.seq_len % (2 * d) == 0] if cfg is not None else [1])
+    acs = [t.activation_checkpointing] if "activation_checkpointing" in fixed_t else ["none", "selective", "full"]
+    out = []
+    for tp, pp, cp in itertools.product(tps, pps, cps):
+        if world % (tp * pp * cp):
+            continue
+        data = world // (tp * pp * cp)
+        replicates = choices("dp_replicate", [r for r in _divisors(data, data) if r == 1 or r == data or data // r >= 2])
+        for replicate in replicates:
+            if data % replicate:
+                continue
+            shard = data // replicate
+            eps = choices("ep", [e for e in _divisors(shard, shard) if experts % e == 0] if experts else [1])
+            for ep in eps:
+                dp = data
+                batch = spec.data.global_batch
+                micro_counts = [n for n in _divisors(batch // dp, 64)] if batch % dp == 0 else []
+                if "grad_accum" in fixed_t:
+                    micro_counts = [t.grad_accum]
+                for accum, ac in itertools.product(micro_counts, acs):
+                    par = {"auto": False, "tp": tp, "pp": pp, "cp": cp, "dp_replicate": replicate, "dp_shard": shard, "ep": ep}
+                    if pp == 1:
+                        par.update(pp_microbatches=None, pp_layers_per_stage=None, pp_virtual_stages=1)
+                    candidate = _variant(spec, par, {"grad_accum": accum, "activation_checkpointing": ac})
+                    if candidate is not None:
+                        out.append(candidate)
+    return out
+
+
+def choose_layout(
+    spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None, *, most_estimates: int = 48
+) -> tuple[Fit, Fit | None]:
+    """``parallelism: auto`` (module doc): (the chosen layout, the runner-up or None); the chosen
+    spec has ``auto`` false and its estimate. A ``SpecError`` when nothing fits."""
+    cfg, params, fpt = _model_facts(spec)
+    profile = profile or DeviceProfile.default(device, spec.parallelism.mixed_precision)
+    rejected: list[tuple[str, str, float]] = []  # (layout, why, how far from fitting)
+    timed: list[Fit] = []
+    for candidate in candidates(spec, cfg):
+        why = _valid(candidate)
+        if why is not None:
+            rejected.append((layout_label(candidate), why, math.inf))
+            continue
+        timed.append(Fit(candidate, step_seconds(candidate, cfg, params, profile, fpt)))
+    timed.sort(key=lambda f: f.seconds)
+    fits: list[Fit] = []
+    for fit in timed[:most_estimates]:
+        est = _estimate(fit.spec, device)
+        if isinstance(est, str):
+            rejected.append((fit.label, est, math.inf))
+            continue
+        if device_memory is not None and est.peak > device_memory:
+            rejected.append((fit.label, _over(fit.spec, est, device_memory), est.peak / device_memory))
+            continue
+        fit.estimate = est
+        fit.spec = fit.spec.model_copy(update={"memory_estimate": est.record()})
+        fits.append(fit)
+        if len(fits) == 2:
+            break
+    if not fits:
+        rejected.sort(key=lambda r: r[2])
+        top = "; ".join(f"[{label}] {why}" for label, why, _ in rejected[:4])
+        more = f" (and {len(rejected) - 4} more)" if len(rejected) > 4 else ""
+        message = f"no layout of {spec.resources.workers} workers fits: {top}{more}" if rejected else (
+            f"no layout of {spec.resources.workers} workers satisfies the fields set beside auto"
+        )
+        raise SpecError(f"job spec: parallelism: auto\n  parallelism: {message}", [("parallelism", message)])
+    return fits[0], fits[1] if len(fits) > 1 else None
