@@ -27,6 +27,12 @@ the job is handed over, and each names the field, the value and what would work:
   service runs it; ``validate`` and ``run`` leave a user's own machine to the user).
 - ``check_devices``: ``resources.use_gpu: true`` on a machine with no CUDA device, for a job whose
   workers run here.
+- ``plan_memory``: the per-rank memory estimate (``hpservice.memory``) against the device's memory
+  (``resources.device_memory``, else what the caller knows of the devices), with the nearest
+  layouts that fit when it does not; ``parallelism: auto`` resolved to the layout it picks. It
+  gives back the spec the job runs with, its estimate in ``memory_estimate``. ``validate``,
+  ``run`` and the API (after admission) run it; ``check_layout`` leaves an ``auto`` spec's
+  layout to it.
 
 ``preflight(spec, ...)`` runs the ones that apply and raises one ``SpecError`` listing them all.
 """
@@ -67,6 +73,8 @@ def check_layout(spec: JobSpec, *, read_files: bool = True) -> Errors:
     before admission has said the tenant may read that path, and checks again after)."""
     errors: Errors = []
     workers = spec.resources.workers
+    if spec.parallelism.auto:  # plan_memory picks a layout that passes these checks
+        return errors
     try:
         dims = ParallelDims.from_spec(spec.parallelism, workers)
     except SpecError as e:
@@ -520,6 +528,51 @@ def check_devices(spec: JobSpec) -> Errors:
     if spec.resources.use_gpu is True and not torch.cuda.is_available():
         return [("resources.use_gpu", "true, but this machine has no CUDA device: use auto or false")]
     return []
+
+
+def plan_memory(
+    spec: JobSpec, *, device_memory: int | None, device: str, profile=None, source: str = "the device memory given"
+) -> JobSpec:
+    """``spec`` with its memory estimate (``memory_estimate``), and with ``parallelism: auto`` the
+    layout chosen; a ``SpecError`` when it does not fit ``resources.device_memory`` (else
+    ``device_memory``: what the caller knows of the devices; None: nothing to check against) on
+    ``device`` ("cuda" or "cpu") ranks; ``source`` names where ``device_memory`` came from. A model that cannot be built here is not estimated
+    (``check_model`` / ``check_inputs`` report why), unless the layout is to be chosen."""
+    from hpservice.memory.plan import check_fit, choose_layout
+
+    memory = spec.resources.device_memory or device_memory
+    if spec.resources.device_memory is not None:
+        source = "resources.device_memory"
+    if spec.parallelism.auto:
+        chosen, runner_up = choose_layout(spec, memory, device, profile)
+        record = {
+            **chosen.spec.memory_estimate,
+            "auto": {
+                "chosen": chosen.label,
+                "chosen_step_s": round(chosen.seconds, 6),
+                "runner_up": runner_up.label if runner_up else None,
+                "runner_up_step_s": round(runner_up.seconds, 6) if runner_up else None,
+                "why": "the lowest estimated step time of the layouts that fit"
+                + (f" ({gib_text(memory)} per device)" if memory else " (no device memory to fit: none given or known)"),
+            },
+        }
+        return chosen.spec.model_copy(update={"memory_estimate": record})
+    estimate = check_fit(spec, memory, device, profile, source)
+    record = estimate.record() if estimate is not None else None
+    if record is not None and memory is not None:
+        record["device_memory_gib"] = round(memory / 2**30, 4)
+    return spec.model_copy(update={"memory_estimate": record})
+
+
+def gib_text(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def job_device(spec: JobSpec, gpus_available: bool) -> str:
+    """What the job's ranks run on, for its estimate: ``resources.use_gpu``, or with auto, GPUs
+    where the caller says there are enough."""
+    use = spec.resources.use_gpu
+    return "cuda" if (use is True or (use == "auto" and gpus_available)) else "cpu"
 
 
 def preflight(spec: JobSpec, *, source: str = "job", here: bool = True, devices_here: bool | None = None) -> None:

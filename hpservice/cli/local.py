@@ -19,6 +19,13 @@ def add_parsers(sub) -> None:
     validate = sub.add_parser("validate", help="check a job file; print its errors with field paths")
     validate.add_argument("job", help="the job's YAML file: the spec, the layout, the model and the input files are checked")
     validate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    validate.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory of one worker's device (e.g. 80GiB) when the spec has no resources.device_memory: the job is "
+        "refused if its estimated peak per rank exceeds it (plan a GPU job on a laptop: docs/memory.md)",
+    )
     schema = sub.add_parser("schema", help="print the job spec's JSON Schema (for editor completion)")
     schema.add_argument("--markdown", action="store_true", help="a reference of every field instead (docs/jobspec.md)")
     export = sub.add_parser(
@@ -118,7 +125,7 @@ def _run(args) -> int:
 
 
 def _validate(args) -> int:
-    spec = load_launchable(args)
+    spec = load_launchable(args, devices_here=False)  # it plans: the job's devices may be elsewhere
     if spec is None:
         return ExitCode.USAGE
     from hpservice.models import resolve_name
@@ -130,7 +137,28 @@ def _validate(args) -> int:
     else:
         model = name if ":" in name else f"{name}/{m.flavor or 'tiny'}"
     print(f"{args.job}: valid job {spec.name!r} ({model}, {spec.training.steps} steps)")
+    _print_estimate(spec.memory_estimate)
     return ExitCode.OK
+
+
+def _print_estimate(record: dict | None) -> None:
+    if record is None:
+        return
+    auto = record.get("auto")
+    if auto:
+        print(f"parallelism: auto chose {auto['chosen']} (estimated step {auto['chosen_step_s']:.3g} s)")
+        if auto["runner_up"]:
+            print(f"  runner-up: {auto['runner_up']} (estimated step {auto['runner_up_step_s']:.3g} s)")
+        print(f"  why: {auto['why']}")
+    memory = record.get("device_memory_gib")
+    against = f" of {memory:,.2f} GiB per device" if memory else ""
+    print(f"estimated peak memory per rank: {record['peak_gib']:,.2f} GiB{against} ({record['device']}, micro-batch {record['micro_batch']})")
+    for rank in record["ranks"]:
+        print(f"  {rank['ranks']}: {rank['peak_gib']:,.2f} GiB at its peak ({rank['phase']})")
+        for name, value in rank["components_gib"].items():
+            print(f"    {name:<36}{value:>10,.3f} GiB")
+    for line in record["assumptions"]:
+        print(f"  assumes: {line}")
 
 
 def _schema(args) -> int:
@@ -165,16 +193,26 @@ def _export(args) -> int:
     return ExitCode.OK
 
 
-def load_launchable(args, *, here: bool = True):
+def load_launchable(args, *, here: bool = True, devices_here: bool | None = None):
     """The job file with ``--set`` overrides, checked as far as it can be before anything starts
     (``hpservice.preflight``: the layout everywhere; for a job run on this machine, ``here``, also
-    its model, its input files and its GPU); None after printing why."""
-    from hpservice.preflight import preflight
-    from hpservice.spec import SpecError, load_job
+    its model, its input files and its GPU), with its memory estimate and, for ``parallelism:
+    auto``, its layout (``plan_memory``); None after printing why."""
+    import torch
+
+    from hpservice.preflight import job_device, plan_memory, preflight
+    from hpservice.spec import SpecError, load_job, parse_bytes
 
     try:
         spec = load_job(args.job, args.set)
-        preflight(spec, source=args.job, here=here)
+        preflight(spec, source=args.job, here=here, devices_here=devices_here)
+        memory = getattr(args, "device_memory", None)
+        try:
+            memory = parse_bytes(memory) if memory is not None else None
+        except ValueError as e:
+            raise SpecError(f"--device-memory: {e}") from None
+        device = job_device(spec, bool(here and devices_here is not False) and torch.cuda.device_count() >= spec.resources.workers)
+        spec = plan_memory(spec, device_memory=memory, device=device, source="--device-memory")
     except SpecError as e:
         print(e, file=sys.stderr)
         return None

@@ -31,28 +31,40 @@ TRACED_BLOCKS = 2  # blocks run on fake tensors; the rest extrapolated (each blo
 
 
 def trace_blocks(part: nn.Module, spec, frozen: set[str], **kwargs) -> tuple[int, int] | str:
-    """``trace_step`` of a part with many blocks, from two runs of its first ``TRACED_BLOCKS``
-    and ``TRACED_BLOCKS - 1`` blocks: the blocks of a decoder are alike, so what a forward saves
-    and the backward's high-water mark grow by the same amount per block (the difference of the
-    two runs) up to the part's block count. A few blocks cost a fraction of a deep model's run."""
-    import copy
-
+    """``trace_step`` of a copy of ``part`` (left as it is) cut to its first ``TRACED_BLOCKS`` and
+    ``TRACED_BLOCKS - 1`` blocks: the blocks of a decoder are alike, so what a forward saves and
+    the backward's high-water mark grow by the same amount per block (the difference of the two
+    runs) up to the part's block count. A few blocks cost a fraction of a deep model's run."""
     layers = getattr(part, "layers", None)
     n = len(layers) if layers is not None else 0
     if n <= TRACED_BLOCKS:
-        return trace_step(part, spec, frozen, **kwargs)
+        return trace_step(_copy_with_blocks(part, n), spec, frozen, **kwargs)
     runs = []
     for k in (TRACED_BLOCKS - 1, TRACED_BLOCKS):
-        trimmed = copy.deepcopy(part)
-        for key in list(trimmed.layers.keys())[k:]:
-            del trimmed.layers[key]
-        run = trace_step(trimmed, spec, frozen, **kwargs)
+        run = trace_step(_copy_with_blocks(part, k), spec, frozen, **kwargs)
         if isinstance(run, str):
             return run
         runs.append(run)
     (s1, p1), (s2, p2) = runs
     more = n - TRACED_BLOCKS
     return s2 + more * (s2 - s1), p2 + more * (p2 - p1)
+
+
+def _copy_with_blocks(part: nn.Module, k: int) -> nn.Module:
+    """A deep copy of ``part`` with its first ``k`` blocks only (the others are not copied)."""
+    import copy
+
+    layers = getattr(part, "layers", None)
+    if layers is None:
+        return copy.deepcopy(part)
+    kept = type(layers)() if not isinstance(layers, nn.ModuleDict) else nn.ModuleDict(dict(list(layers.items())[:k]))
+    if not isinstance(layers, nn.ModuleDict):
+        kept.extend(list(layers)[:k])
+    part.layers = kept
+    try:
+        return copy.deepcopy(part)
+    finally:
+        part.layers = layers
 
 
 def trace_step(
@@ -86,7 +98,7 @@ def trace_step(
                 for name, p in list(module.named_parameters(recurse=False)):
                     if p.is_floating_point():
                         module.register_parameter(name, nn.Parameter(p.detach().to(compute), p.requires_grad))
-        with FakeTensorMode(allow_non_fake_inputs=True), TensorMemoryTracker() as mem:
+        with FakeTensorMode(allow_non_fake_inputs=True), TensorMemoryTracker(track_resize=False) as mem:
             part.to_empty(device=device)  # tracked from here: views of the parameters are not new memory
             if hasattr(part, "init_buffers"):
                 part.init_buffers()

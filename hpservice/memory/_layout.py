@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn as nn
 
-__all__ = ["Unit", "fsdp_units", "rank_parts"]
+__all__ = ["Unit", "fsdp_units", "meta_model", "rank_parts"]
 
 
 @dataclasses.dataclass
@@ -99,16 +99,25 @@ def narrow_ep(model: nn.Module, ep: int) -> None:
                 module.num_experts //= ep
 
 
-def rank_parts(spec, pp_rank: int = 0) -> tuple[object, list[tuple[int, nn.Module]], set[str]]:
-    """(the family's bundle, this pp rank's ``(stage, part)`` narrowed to one tp/ep rank on the
-    meta device, the frozen parameter names)."""
+def meta_model(spec) -> tuple[object, nn.Module, set[str]]:
+    """The trainer's whole meta model of ``spec`` (``build_meta_model``): (bundle, model, frozen)."""
     from hpservice.parallel import ParallelDims
     from hpservice.train._model import build_meta_model
+
+    return build_meta_model(spec, ParallelDims.from_spec(spec.parallelism, spec.resources.workers))
+
+
+def rank_parts(spec, pp_rank: int = 0, meta=None) -> tuple[object, list[tuple[int, nn.Module]], set[str]]:
+    """(the family's bundle, this pp rank's ``(stage, part)`` narrowed to one tp/ep rank on the
+    meta device, the frozen parameter names); from a copy of ``meta`` (``meta_model``'s) if given."""
+    import copy
+
     from hpservice.train._pipeline import apply_pp
 
     p = spec.parallelism
-    dims = ParallelDims.from_spec(p, spec.resources.workers)
-    bundle, whole, frozen = build_meta_model(spec, dims)
+    bundle, whole, frozen = meta if meta is not None else meta_model(spec)
+    if meta is not None:
+        whole = copy.deepcopy(whole)
     stages = apply_pp(whole, pp_rank, spec, bundle) if p.pp > 1 else [(0, whole)]
     for _, part in stages:
         narrow_tp(part, p.tp, p.sequence_parallel)

@@ -46,8 +46,9 @@ class TensorMemoryTracker(TorchDispatchMode):
     """``with TensorMemoryTracker() as mem: ...``; ``mem.current``, ``mem.peak`` (bytes, over
     every device but meta), ``mem.reset_peak()`` to start a new high-water mark from now."""
 
-    def __init__(self):
+    def __init__(self, *, track_resize: bool = True):
         super().__init__()
+        self.track_resize = track_resize  # patches a torch method process-wide: off where threads share it
         self._sizes: dict[int, int] = {}  # id of the storage's C object -> bytes counted
         self.current = 0
         self.peak = 0
@@ -80,6 +81,8 @@ class TensorMemoryTracker(TorchDispatchMode):
             self._sizes[key] = size
 
     def __enter__(self):
+        if not self.track_resize:
+            return super().__enter__()
         original = self._original_resize = torch.UntypedStorage.resize_
 
         @wraps(original)
@@ -92,7 +95,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._original_resize
+        if self.track_resize:
+            torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

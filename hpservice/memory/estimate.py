@@ -26,6 +26,8 @@ ranks hold the same but for rounding), by component, in bytes:
   recomputation under activation checkpointing, the backward's temporaries, as the code allocates
   them); a pipeline rank keeps the activations of as many micro-batches as its schedule holds at
   once (``parallel.pipelining.simulate``).
+- **in host memory (cpu_offload)**: with ``cpu_offload`` on an accelerator, the shards, their
+  gradients, the optimizer state and its step live in host memory: reported, not in the device's peak.
 - **optimizer step temporaries**: AdamW's per-parameter step (torch's single-tensor path, which
   hpservice's DTensor parameters take) allocates two tensors the size of the parameter.
 
@@ -41,12 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 
 __all__ = ["COMPONENTS", "MemoryEstimate", "RankMemory", "estimate"]
 
 PERSISTENT = ("parameters", "gradients", "optimizer state", "fully_shard buffers", "DPO reference")
 TRANSIENT = ("gathered parameters and gradients", "activations and loss", "optimizer step temporaries")
-COMPONENTS = PERSISTENT + TRANSIENT
+HOST = "in host memory (cpu_offload)"  # reported, not on the device
+COMPONENTS = PERSISTENT + TRANSIENT + (HOST,)
 
 _DTYPE_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
 
@@ -149,8 +153,7 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
     ``init_from``, its config.json."""
     import torch
 
-    from ._activations import formula_bytes, trace_blocks
-    from ._layout import fsdp_units, rank_parts
+    from ._activations import formula_bytes
 
     p, t = spec.parallelism, spec.training
     from hpservice.parallel_dims import ParallelDims
@@ -172,25 +175,19 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
     trace_device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     ranks = []
     for pp_rank in range(p.pp):
-        _, stages, frozen = rank_parts(spec, pp_rank)
         c = dict.fromkeys(COMPONENTS, 0)
         units = []
         saved_per_micro = peak_one = 0
-        for stage, part in stages:
-            cfg = getattr(part, "cfg", None)
-            part_units = fsdp_units(part, frozen, shard_ranks, p.ep, nf4)
+        facts = _stage_facts(spec, pp_rank, shard_ranks, nf4, seq, trace_device)
+        for stage, part_units, per_row in facts:
             units += part_units
-            dim = cfg.dim if cfg is not None else 0
-            traced = trace_blocks(
-                part, spec, frozen, first=stage == 0, last=stage == last_stage, rows=rows, seq=seq, dim=dim,
-                device=trace_device,
-            )
-            if isinstance(traced, str):
-                untraced = traced
-                blocks = len(getattr(part, "layers", []) or [])
+            if isinstance(per_row, str):
+                untraced = per_row
+                cfg, blocks = _stage_config(spec, pp_rank, stage)
                 vocab = math.ceil(cfg.vocab_size / p.tp) if stage == last_stage else None
-                traced = formula_bytes(cfg, rows * seq, blocks, p.tp, param_b, t.activation_checkpointing != "none", vocab)
-            saved, peak = traced
+                saved, peak = formula_bytes(cfg, rows * seq, blocks, p.tp, param_b, t.activation_checkpointing != "none", vocab)
+            else:  # what one micro-batch saves grows with its rows: traced for one
+                saved, peak = rows * per_row[0], rows * per_row[1]
             saved_per_micro += saved
             peak_one = max(peak_one, peak)
         trainable = sum(u.trainable for u in units)
@@ -228,7 +225,7 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
             gathered = ((root.unsharded if root else 0) + blocks_held) * param_b
             if device != "cpu":  # one unit's all-gather output and reduce-scatter input at a time
                 gathered += max((u.unsharded for u in units), default=0) * (param_b + reduce_b)
-        if p.pp > 1 or t.grad_accum > 1:  # unsharded (unreduced) gradients kept between micro-batches
+        if p.pp > 1 or (t.grad_accum > 1 and not p.sync_every_micro_batch):  # unreduced gradients kept between micro-batches
             grads_kept = unsharded * param_b if fsdp else trainable * 4
         in_flight = held.get(pp_rank, 1)
         micro = p.microbatches(t.grad_accum) if p.pp > 1 else t.grad_accum
@@ -242,9 +239,82 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
         c["activations and loss"] = activations
         largest_trainable = max((u.largest_trainable for u in units), default=0)
         c["optimizer step temporaries"] = 2 * largest_trainable * 4 if opt_state else 0
-        label = "every rank" if p.pp == 1 else f"pp rank {pp_rank} (stage{'s' if len(stages) > 1 else ''} {', '.join(str(s) for s, _ in stages)})"
+        if p.cpu_offload and fsdp and device != "cpu":  # the shards, their gradients and the optimizer live in host memory
+            offloaded = ("parameters", "gradients", "optimizer state", "optimizer step temporaries")
+            c[HOST] = sum(c[k] for k in offloaded)
+            for k in offloaded:
+                c[k] = 0
+        label = "every rank" if p.pp == 1 else f"pp rank {pp_rank} (stage{'s' if len(facts) > 1 else ''} {', '.join(str(f[0]) for f in facts)})"
         ranks.append(RankMemory(label, c, flat_gradients=fsdp))
     return MemoryEstimate(device, ranks, _assumptions(spec, device, untraced), micro_rows(spec), untraced is None)
+
+
+_CACHE: OrderedDict[tuple, object] = OrderedDict()  # meta models, layouts, traces: least recently used go
+_CACHE_SIZE = 4096
+
+
+class _Failed:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _cached(key: tuple, build):
+    """``build()``, once per ``key``; a build that raised raises the same again (a layout the
+    model refuses is refused for every candidate that shares it, without building it again)."""
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+    else:
+        try:
+            _CACHE[key] = build()
+        except Exception as e:  # kept to raise again
+            _CACHE[key] = _Failed(e)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    value = _CACHE[key]
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+def _model_key(spec) -> tuple:
+    """What the meta model depends on: the model section, the frozen patterns, the sequence length
+    (a sliding window that covers it is dropped), whether cp needs positions."""
+    return (spec.model.model_dump_json(), tuple(spec.training.freeze), spec.data.seq_len, spec.parallelism.cp > 1)
+
+
+def _stage_facts(spec, pp_rank: int, shard_ranks: int, nf4: bool, seq: int, trace_device: str) -> list:
+    """``(stage, fully_shard units, per-row (saved, peak) or why not traced)`` of each of the pp
+    rank's stages. The meta model, each layout's units and each trace are cached apart: the
+    estimates of one job's many layouts (``parallelism: auto``) share most of them."""
+    from ._activations import trace_blocks
+    from ._layout import fsdp_units, meta_model, rank_parts
+
+    p, t = spec.parallelism, spec.training
+    model = _model_key(spec)
+    layout = (model, p.tp, p.sequence_parallel, p.pp, p.pp_virtual_stages, tuple(p.pp_layers_per_stage or ()), p.ep, pp_rank)
+    trace = (t.activation_checkpointing, t.selective_every, p.mixed_precision, seq, trace_device)
+    units_key, trace_key = ("units", *layout, shard_ranks, nf4), ("trace", *layout, *trace)
+    last_stage = p.pp * p.pp_virtual_stages - 1
+    if units_key not in _CACHE or trace_key not in _CACHE:
+        meta = _cached(("meta", *model), lambda: meta_model(spec))
+        _, stages, frozen = _cached(("parts", *layout), lambda: rank_parts(spec, pp_rank, meta))
+        _cached(units_key, lambda: [fsdp_units(part, frozen, shard_ranks, p.ep, nf4) for _, part in stages])
+        _cached(trace_key, lambda: [
+            (stage, trace_blocks(part, spec, frozen, first=stage == 0, last=stage == last_stage, rows=1, seq=seq,
+                                 dim=part.cfg.dim if hasattr(part, "cfg") else 0, device=trace_device))
+            for stage, part in stages
+        ])  # fmt: skip
+    units, traces = _CACHE[units_key], _CACHE[trace_key]
+    return [(stage, u, traced) for u, (stage, traced) in zip(units, traces, strict=True)]
+
+
+def _stage_config(spec, pp_rank: int, stage: int):
+    """(config, blocks) of one stage, for the formula."""
+    from ._layout import meta_model, rank_parts
+
+    _, stages, _ = rank_parts(spec, pp_rank, _cached(("meta", *_model_key(spec)), lambda: meta_model(spec)))
+    part = dict(stages)[stage]
+    return part.cfg, len(getattr(part, "layers", []) or [])
 
 
 def _assumptions(spec, device: str, untraced: str | None) -> list[str]:
@@ -267,5 +337,5 @@ def _assumptions(spec, device: str, untraced: str | None) -> list[str]:
     if spec.training.compile:
         out.append("torch.compile: estimated as eager (compiled regions usually save less)")
     if p.cpu_offload:
-        out.append("cpu_offload: the shards, gradients and optimizer state are counted though they live in host memory")
+        out.append("cpu_offload: the shards, their gradients and the optimizer state are in host memory, not in the peak")
     return out

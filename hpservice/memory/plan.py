@@ -34,7 +34,7 @@ import dataclasses
 import itertools
 import math
 
-from hpservice.spec import JobSpec, SpecError
+from hpservice.spec import JobSpec, ParallelismSpec, SpecError, TrainingSpec
 
 from .estimate import MemoryEstimate, gib
 
@@ -51,6 +51,8 @@ class DeviceProfile:
     devices_per_node: int
     overhead_s: float  # per micro-batch: launches, hooks, Python
     fsdp_exposed: float  # share of fully_shard's communication that compute does not hide
+    host_gbs: float = 20.0  # GB/s between the device and host memory (cpu_offload)
+    host_flops: float = 2e10  # FLOP/s of the host's optimizer step (cpu_offload)
 
     @classmethod
     def default(cls, device: str, mixed_precision: str = "bf16") -> DeviceProfile:
@@ -86,6 +88,8 @@ def layout_label(spec: JobSpec) -> str:
 
     parts.append(f"micro_batch {micro_rows(spec)}")
     parts.append(f"activation_checkpointing {t.activation_checkpointing}")
+    if p.sync_every_micro_batch and t.grad_accum > 1:
+        parts.append("sync_every_micro_batch")
     return ", ".join(parts)
 
 
@@ -130,19 +134,23 @@ def step_seconds(spec: JobSpec, cfg, params: int, profile: DeviceProfile, flops_
     shard = dims.dp_shard * p.cp
     span = shard * p.tp
     ag = _ring("all_gather", shard, stage_params * act_b) * (2 * micro if p.reshard_after_forward else 1)
-    rs = _ring("reduce_scatter", shard, stage_params * 4)
+    rs = _ring("reduce_scatter", shard, stage_params * 4) * (micro if p.sync_every_micro_batch and p.pp == 1 else 1)
     fsdp = (ag + rs) / link(span)
     hsdp = _ring("all_reduce", dims.dp_replicate, stage_params * 4 / max(shard, 1)) / link(world // p.pp)
     block_layers = layers / p.pp
     tp = _ring("all_reduce", p.tp, 4 * block_layers * tokens_micro * dim * act_b) * micro / link(p.tp)
     kv = 2 * getattr(cfg, "n_kv_heads", getattr(cfg, "n_heads", 1)) * getattr(cfg, "head_dim", dim) if cfg is not None else dim
     cp = 3 * block_layers * _ring("all_gather", p.cp, tokens_micro * p.cp * kv * act_b / p.tp) * micro / link(p.cp * p.tp)
-    pp = 2 * tokens_micro * dim * act_b * micro * (2 if 0 < p.pp - 1 else 0) / link(world // p.pp + 1) if p.pp > 1 else 0.0
+    pp = 2 * tokens_micro * dim * act_b * micro * 2 / link(world // p.pp + 1) if p.pp > 1 else 0.0
     ep = 0.0
     if p.ep > 1 and cfg is not None and getattr(cfg, "num_experts", 0):
         sparse = cfg.sparse_layers() if hasattr(cfg, "sparse_layers") else layers
         ep = 4 * sparse / p.pp * tokens_micro * cfg.experts_per_token * dim * act_b * (p.ep - 1) / p.ep * micro / link(p.ep * p.tp)
-    exposed = fsdp * profile.fsdp_exposed + hsdp + tp + cp + pp + ep
+    offload = 0.0
+    if p.cpu_offload:  # shards copied in for each all-gather, gradients out, the optimizer stepped on the host
+        shard_bytes = stage_params / max(shard, 1) * 4
+        offload = shard_bytes * (2 * micro + 1) / (profile.host_gbs * 1e9) + stage_params / max(shard, 1) * 20 / profile.host_flops
+    exposed = fsdp * profile.fsdp_exposed + hsdp + tp + cp + pp + ep + offload
     return compute / (1 - bubble) + exposed + micro * profile.overhead_s
 
 
@@ -168,39 +176,73 @@ def _estimate(spec: JobSpec, device: str) -> MemoryEstimate | str:
         return estimate(spec, device=device)
     except (ValueError, NotImplementedError, SpecError) as e:  # a layout the model cannot take
         return str(e).splitlines()[0]
-    except Exception as e:  # noqa: BLE001 - the trainer's own refusals (TrainingError) and the like
+    except Exception as e:  # the trainer's own refusals (TrainingError) and the like
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def _over(spec: JobSpec, est: MemoryEstimate, device_memory: int) -> str:
+def _over(spec: JobSpec, est: MemoryEstimate, device_memory: int, source: str = "resources.device_memory") -> str:
     r = est.worst
     top = sorted(((k, v) for k, v in r.components.items() if v), key=lambda kv: -kv[1])[:3]
     return (
-        f"needs {gib(r.peak)} on {r.ranks}, more than the {gib(device_memory)} of resources.device_memory "
+        f"needs {gib(r.peak)} on {r.ranks}, more than the {gib(device_memory)} of {source} "
         f"(most: {', '.join(f'{k} {gib(v)}' for k, v in top)})"
     )
 
 
-def check_fit(spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None) -> MemoryEstimate | None:
+def check_fit(
+    spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None,
+    source: str = "resources.device_memory",
+) -> MemoryEstimate | None:  # fmt: skip
     """The job's estimate (None where the model cannot be estimated here: its error is the
     preflight's to report); a ``SpecError`` with the breakdown and the nearest layouts that fit
-    when it exceeds ``device_memory``."""
+    when it exceeds ``device_memory`` (``source``: where that figure came from)."""
     est = _estimate(spec, device)
     if isinstance(est, str):
         return None
     if device_memory is None or est.peak <= device_memory:
         return est
     suggestions = nearest_fits(spec, device_memory, device, profile)
+    if not suggestions:  # no one change: the fastest whole layouts that fit, on more workers if need be
+        import time
+
+        deadline = time.monotonic() + SUGGEST_BUDGET_S
+        workers = spec.resources.workers
+        tries = [(1, False), (2, False), (4, False)] + ([(1, True), (2, True)] if device == "cuda" else [])
+        for factor, offload in tries:
+            left = deadline - time.monotonic()
+            if left <= 0 or workers * factor > MAX_SUGGESTED_WORKERS:
+                break
+            free = _unconstrained(spec, workers * factor, offload)
+            fits, _ = _search(free, device_memory, device, profile, want=3 if factor == 1 else 1, budget_s=left)
+            more = (f"resources.workers {workers * factor}, " if factor > 1 else "") + ("cpu_offload, " if offload else "")
+            suggestions = [(f"{more}{f.label} ({gib(f.estimate.peak)} per rank)", f.seconds) for f in fits]
+            if suggestions:
+                break
     offer = (
         "; it fits with " + ", or ".join(s for s, _ in suggestions)
         if suggestions
-        else "; no single change of tp, pp, activation_checkpointing, the micro-batch or mixed_precision fits it"
+        else f"; nothing fits it on up to {4 * spec.resources.workers} workers: a shorter data.seq_len or a smaller model"
     )
-    message = _over(spec, est, device_memory) + offer
-    raise SpecError(
-        f"job spec: does not fit its devices\n  resources.device_memory: {message}\n{est.breakdown('    ')}",
-        [("resources.device_memory", message)],
-    )
+    message = _over(spec, est, device_memory, source) + offer
+    field = source if source.startswith("resources.") else "resources.device_memory"
+    raise SpecError(f"job spec: does not fit its devices\n  {field}: {message}\n{est.breakdown('    ')}", [(field, message)])
+
+
+# what a layout search keeps of the job's parallelism: not layout but how it computes
+_KEPT = ("mixed_precision", "cpu_offload", "pp_schedule", "reshard_after_forward", "sequence_parallel", "cp_rotate")
+SUGGEST_BUDGET_S = 15.0  # seconds the suggestions of a job that does not fit may take
+MAX_SUGGESTED_WORKERS = 1024
+
+
+def _unconstrained(spec: JobSpec, workers: int, offload: bool = False) -> JobSpec:
+    """``spec`` on ``workers`` workers with every layout field free (auto, nothing set beside it),
+    with ``offload``: its shards, gradients and optimizer state offloaded to host memory."""
+    kept = {k: getattr(spec.parallelism, k) for k in _KEPT} | ({"cpu_offload": True} if offload else {})
+    return spec.model_copy(update={
+        "parallelism": ParallelismSpec.model_validate({"auto": True, **kept}),
+        "training": TrainingSpec.model_validate(spec.training.model_dump(exclude={"grad_accum", "activation_checkpointing"})),
+        "resources": spec.resources.model_copy(update={"workers": workers, "min_workers": None}),
+    })  # fmt: skip
 
 
 def _variant(spec: JobSpec, parallelism: dict | None = None, training: dict | None = None) -> JobSpec | None:
@@ -239,8 +281,12 @@ def nearest_fits(spec: JobSpec, device_memory: int, device: str, profile: Device
             changes.append((f"activation_checkpointing: {ac}", {}, {"activation_checkpointing": ac}))
     for accum in (2, 4, 8, 16):
         changes.append((f"grad_accum {t.grad_accum * accum}", {}, {"grad_accum": t.grad_accum * accum}))
+    if t.grad_accum > 1 and not p.sync_every_micro_batch and p.pp == 1:
+        changes.append(("sync_every_micro_batch: true", {"sync_every_micro_batch": True}, {}))
     if p.mixed_precision == "none":
         changes.append(("mixed_precision: bf16", {"mixed_precision": "bf16"}, {}))
+    if not p.cpu_offload and device == "cuda":
+        changes.append(("cpu_offload: true", {"cpu_offload": True}, {}))
     cfg, params, fpt = _model_facts(spec)
     profile = profile or DeviceProfile.default(device, p.mixed_precision)
     fits: list[tuple[str, float]] = []
@@ -303,8 +349,12 @@ def candidates(spec: JobSpec, cfg) -> list[JobSpec]:
                 micro_counts = [n for n in _divisors(batch // dp, 64)] if batch % dp == 0 else []
                 if "grad_accum" in fixed_t:
                     micro_counts = [t.grad_accum]
-                for accum, ac in itertools.product(micro_counts, acs):
-                    par = {"auto": False, "tp": tp, "pp": pp, "cp": cp, "dp_replicate": replicate, "dp_shard": shard, "ep": ep}
+                syncs = [p.sync_every_micro_batch] if "sync_every_micro_batch" in fixed_p else [False, True]
+                for accum, ac, sync in itertools.product(micro_counts, acs, syncs):
+                    if sync and (accum == 1 or pp > 1):
+                        continue
+                    par = {"auto": False, "tp": tp, "pp": pp, "cp": cp, "dp_replicate": replicate, "dp_shard": shard, "ep": ep,
+                           "sync_every_micro_batch": sync}  # fmt: skip
                     if pp == 1:
                         par.update(pp_microbatches=None, pp_layers_per_stage=None, pp_virtual_stages=1)
                     candidate = _variant(spec, par, {"grad_accum": accum, "activation_checkpointing": ac})
@@ -313,14 +363,18 @@ def candidates(spec: JobSpec, cfg) -> list[JobSpec]:
     return out
 
 
-def choose_layout(
-    spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None, *, most_estimates: int = 48
-) -> tuple[Fit, Fit | None]:
-    """``parallelism: auto`` (module doc): (the chosen layout, the runner-up or None); the chosen
-    spec has ``auto`` false and its estimate. A ``SpecError`` when nothing fits."""
+def _search(
+    spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None, *, want: int,
+    most_estimates: int = 512, budget_s: float = 20.0,
+) -> tuple[list[Fit], list[tuple[str, str, float]]]:  # fmt: skip
+    """The ``want`` fastest layouts of ``spec`` that fit, and the rejected ones with why and how
+    far from fitting (peak / memory). Estimates in cost order, at most ``most_estimates`` of them
+    and for at most ``budget_s`` seconds (the API answers within its validation deadline)."""
+    import time
+
     cfg, params, fpt = _model_facts(spec)
     profile = profile or DeviceProfile.default(device, spec.parallelism.mixed_precision)
-    rejected: list[tuple[str, str, float]] = []  # (layout, why, how far from fitting)
+    rejected: list[tuple[str, str, float]] = []
     timed: list[Fit] = []
     for candidate in candidates(spec, cfg):
         why = _valid(candidate)
@@ -330,7 +384,10 @@ def choose_layout(
         timed.append(Fit(candidate, step_seconds(candidate, cfg, params, profile, fpt)))
     timed.sort(key=lambda f: f.seconds)
     fits: list[Fit] = []
+    deadline = time.monotonic() + budget_s
     for fit in timed[:most_estimates]:
+        if time.monotonic() > deadline:
+            break
         est = _estimate(fit.spec, device)
         if isinstance(est, str):
             rejected.append((fit.label, est, math.inf))
@@ -341,14 +398,32 @@ def choose_layout(
         fit.estimate = est
         fit.spec = fit.spec.model_copy(update={"memory_estimate": est.record()})
         fits.append(fit)
-        if len(fits) == 2:
+        if len(fits) == want:
             break
+    rejected.sort(key=lambda r: r[2])
+    return fits, rejected
+
+
+def choose_layout(
+    spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None
+) -> tuple[Fit, Fit | None]:
+    """``parallelism: auto`` (module doc): (the chosen layout, the runner-up or None); the chosen
+    spec has ``auto`` false and its estimate. A ``SpecError`` naming the closest rejected layouts
+    when nothing fits."""
+    try:
+        fits, rejected = _search(spec, device_memory, device, profile, want=2)
+    except SpecError:
+        raise
+    except Exception as e:  # the model cannot be built here (a factory, init_from elsewhere)
+        message = f"auto needs the model's config where the job is handed over: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        raise SpecError(f"job spec: parallelism: auto\n  parallelism: {message}", [("parallelism", message)]) from None
     if not fits:
-        rejected.sort(key=lambda r: r[2])
         top = "; ".join(f"[{label}] {why}" for label, why, _ in rejected[:4])
         more = f" (and {len(rejected) - 4} more)" if len(rejected) > 4 else ""
-        message = f"no layout of {spec.resources.workers} workers fits: {top}{more}" if rejected else (
-            f"no layout of {spec.resources.workers} workers satisfies the fields set beside auto"
+        message = (
+            f"no layout of {spec.resources.workers} workers fits: {top}{more}"
+            if rejected
+            else f"no layout of {spec.resources.workers} workers satisfies the fields set beside auto"
         )
         raise SpecError(f"job spec: parallelism: auto\n  parallelism: {message}", [("parallelism", message)])
     return fits[0], fits[1] if len(fits) > 1 else None

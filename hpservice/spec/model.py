@@ -435,6 +435,13 @@ class ParallelismSpec(_Section):
     reshard_after_forward: bool = Field(
         True, description="free each block's gathered parameters after its forward (the last block keeps them)"
     )
+    sync_every_micro_batch: bool = Field(
+        False,
+        description="with training.grad_accum > 1 under fully_shard: reduce-scatter each micro-batch's gradients into "
+        "the shards (torchtitan's way) instead of keeping the whole model's unsharded gradients until the last "
+        "micro-batch: less memory (the model's size in the compute dtype per rank), grad_accum times the "
+        "reduce-scatters",
+    )
     mixed_precision: Literal["none", "bf16", "fp16"] = Field(
         "none", description="compute dtype of parameters in forward/backward (gradients reduce in fp32)"
     )

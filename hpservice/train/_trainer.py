@@ -281,7 +281,7 @@ class Trainer:
         accum = spec.training.grad_accum
         for micro, part in enumerate(batch.chunk(accum)):
             if dims.dp_mesh is not None:
-                self.model.set_requires_gradient_sync(micro == accum - 1)
+                self.model.set_requires_gradient_sync(micro == accum - 1 or spec.parallelism.sync_every_micro_batch)
             with attention(part, dims):  # backward too: checkpointing recomputes there
                 loss = micro_batch_loss(self.model, part, dims, self.loss)
                 loss.backward()
@@ -297,7 +297,7 @@ class Trainer:
         accum = self.spec.training.grad_accum
         for micro, part in enumerate(batch.chunk(accum)):  # rows [c0, r0, ...]: an even split keeps pairs whole
             if self.parallel_dims.dp_mesh is not None:
-                self.model.set_requires_gradient_sync(micro == accum - 1)
+                self.model.set_requires_gradient_sync(micro == accum - 1 or self.spec.parallelism.sync_every_micro_batch)
             with attention(part, self.parallel_dims):  # cp: ring attention over this rank's positions
                 ref = self.reference.logps(lambda model, part=part: self._dpo_forward(model, part), self.step, micro)
                 logits, labels, cp_group = self._dpo_forward(self.model, part)
