@@ -43,7 +43,15 @@ from importlib import metadata
 from pathlib import Path
 
 from hpservice.models import list_models
-from hpservice.preflight import check_composition, check_inputs, check_layout, check_size, raise_if
+from hpservice.preflight import (
+    check_composition,
+    check_inputs,
+    check_layout,
+    check_size,
+    job_device,
+    plan_memory,
+    raise_if,
+)
 from hpservice.spec import JobSpec, SpecError
 from hpservice.train._storage import directory_bytes
 
@@ -153,15 +161,29 @@ def worker_memory(settings: Settings, node_memory: int | None) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_admitted(spec: JobSpec, settings: Settings, node_memory: int | None = None) -> None:
-    """The checks that read the admitted job's model config (where this server can see it):
-    its layout, its composition and its size (``hpservice.preflight``); one ``SpecError``."""
+def check_admitted(
+    spec: JobSpec, settings: Settings, node_memory: int | None = None, devices: tuple[float, int | None] = (0.0, None)
+) -> JobSpec:
+    """The checks that read the admitted job's model config (where this server can see it): its
+    layout, its composition and its size (``hpservice.preflight``), then its memory estimate
+    against the device's memory (``plan_memory``; ``parallelism: auto`` resolved there): the spec
+    the job runs with, or one ``SpecError``. ``devices``: the cluster's GPUs and their memory."""
     read = spec.model.init_from is None or server_sees(settings, spec.model.init_from)
     errors = check_layout(spec, read_files=read) + check_composition(spec, read_files=read)
     if not errors:
         memory, elements = worker_memory(settings, node_memory), settings.bounds.max_tensor_elements
         errors = check_size(spec, worker_memory=memory, tensor_elements=elements, read_files=read)
     raise_if(errors, "job spec")
+    gpus, gpu_memory = devices
+    device = job_device(spec, gpus >= spec.resources.workers)
+    if not read:  # the model's config is only where the workers are: no estimate here
+        if spec.parallelism.auto:
+            raise_if([("parallelism", "auto needs the model's config where the job is submitted, and model.init_from "
+                       "is not under a data root or job directory this server sees")], "job spec")  # fmt: skip
+        return spec.model_copy(update={"memory_estimate": None})
+    memory = settings.bounds.device_memory or (gpu_memory if device == "cuda" else None)
+    source = "the server's --device-memory" if settings.bounds.device_memory else "the cluster's GPU memory"
+    return plan_memory(spec, device_memory=memory, device=device, source=source)
 
 
 def _storage_budget(settings: Settings, principal: Principal, errors: list) -> int:

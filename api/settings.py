@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from hpservice.sizing import MAX_TENSOR_ELEMENTS
-from hpservice.spec import NAME_PATTERN
+from hpservice.spec import NAME_PATTERN, parse_size
 
 from .scheduler import EVERYONE, Quota, Quotas
 
@@ -36,6 +36,10 @@ class Bounds:
     largest node's memory as Ray reports it, else this host's."""
     max_tensor_elements: int = MAX_TENSOR_ELEMENTS
     """Elements of the largest single tensor a job's model may have."""
+    device_memory: int | None = None
+    """Bytes of one worker's GPU: a job whose estimated peak per rank (``hpservice.memory``) is
+    more is refused at submit, naming layouts that fit; None: the GPU type's as Ray reports it
+    (``api/supervisor.py``), else a job is checked against its own ``resources.device_memory`` only."""
     max_checkpoints_kept: int = 20
     """The largest ``checkpoint.keep``."""
     max_job_bytes: int | None = None
@@ -57,7 +61,7 @@ class Bounds:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        for name in ("max_worker_memory", "max_job_bytes", "max_owner_bytes"):
+        for name in ("max_worker_memory", "max_job_bytes", "max_owner_bytes", "device_memory"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a number of bytes >= 1, got {value!r}")
@@ -81,26 +85,14 @@ def _volume(path: Path) -> int:
     return shutil.disk_usage(path).total
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"64G"``, ``"512M"``, ``"1.5T"`` or a plain number of bytes (binary units, a trailing
-    ``i``/``B`` allowed: ``64GiB``)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"{text!r} is not a size: use a number of bytes or one with K, M, G or T (e.g. 64G)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-
-
 def bounds_from_options(**options) -> Bounds:
     """``Bounds`` from ``hpservice serve``'s options (sizes as text, e.g. ``64G``); a bad value
     raises ValueError naming the option."""
     values = dict(options)
-    for name in ("max_worker_memory", "max_job_bytes", "max_owner_bytes"):
+    for name in ("max_worker_memory", "max_job_bytes", "max_owner_bytes", "device_memory"):
         if isinstance(values.get(name), str):
             try:
-                values[name] = parse_bytes(values[name])
+                values[name] = parse_size(values[name])
             except ValueError as e:
                 raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
     if "validation_timeout" in values:

@@ -140,6 +140,22 @@ class Supervisor:
         sizes = [int(n.get("Resources", {}).get("memory", 0)) for n in nodes if n.get("Alive")]
         return max(sizes, default=0) or None
 
+    def devices(self) -> tuple[float, int | None]:
+        """(the cluster's GPUs, the memory of its smallest GPU where Ray names their type), for a
+        job's memory estimate at submit; (0, None) when no cluster is connected."""
+        if not ray.is_initialized():
+            return 0.0, None
+        from hpservice.memory.plan import gpu_memory
+
+        try:
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+        except Exception:  # a cluster going away: no figure to check against
+            return 0.0, None
+        gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in nodes)
+        sizes = [gpu_memory(n.get("Resources", {})) for n in nodes if n.get("Resources", {}).get("GPU")]
+        known = [m for m in sizes if m is not None]
+        return gpus, (min(known) if known and len(known) == len(sizes) else None)
+
     def cancel(self, job: JobRecord) -> None:
         """Cancel ``job`` on whichever replica the request came to: one transition, whatever the
         launch is doing (see the module doc); a launched job's coordinator is asked to stop by

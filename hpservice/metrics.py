@@ -60,6 +60,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("peak_memory_allocated_gib", "GiB", "rank 0's peak CUDA memory allocated in the step", when="CUDA"),
     Metric("peak_memory_reserved_gib", "GiB", "rank 0's peak CUDA memory reserved in the step", when="CUDA"),
     Metric("rss_gib", "GiB", "rank 0's resident memory at the end of the step"),
+    Metric("estimated_peak_gib", "GiB", "rank 0's peak memory as estimated before the job started (docs/memory.md)",
+           when="jobs planned by validate, run or submit"),
+    Metric("peak_memory_per_rank_gib", "GiB", "each rank's peak in the step (CUDA allocated, else resident) and "
+           "its estimate: {rank: [measured, estimated]}", kind="table"),
     Metric("peak_rss_gib", "GiB", "rank 0's resident memory high-water mark"),
     Metric("trainable_params", "", "parameters the optimizer trains (a LoRA run: its adapters)"),
     Metric("total_params", "", "parameters of the whole model"),

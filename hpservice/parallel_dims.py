@@ -202,6 +202,10 @@ class ParallelDims:
         """Which stages this rank holds (stage ``s`` on pp rank ``s % pp``); 0 without pp."""
         return self.world_mesh.get_local_rank(PP) if self.pp > 1 else 0
 
+    def pp_rank_of(self, rank: int) -> int:
+        """The pp rank of global ``rank``: pp is the outermost mesh dim (pure: no mesh needed)."""
+        return rank // (self.world_size // self.pp)
+
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self.world_mesh[TP] if self.tp > 1 else None

@@ -531,12 +531,15 @@ def check_devices(spec: JobSpec) -> Errors:
 
 
 def plan_memory(
-    spec: JobSpec, *, device_memory: int | None, device: str, profile=None, source: str = "the device memory given"
+    spec: JobSpec, *, device_memory: int | None, device: str, profile=None, source: str = "the device memory given",
+    budget_s: float | None = 20.0,
 ) -> JobSpec:
     """``spec`` with its memory estimate (``memory_estimate``), and with ``parallelism: auto`` the
     layout chosen; a ``SpecError`` when it does not fit ``resources.device_memory`` (else
     ``device_memory``: what the caller knows of the devices; None: nothing to check against) on
-    ``device`` ("cuda" or "cpu") ranks; ``source`` names where ``device_memory`` came from. A model that cannot be built here is not estimated
+    ``device`` ("cuda" or "cpu") ranks; ``source`` names where ``device_memory`` came from;
+    ``budget_s``: the most seconds auto's search may take (None: no bound, the same choice on every
+    machine given the same inputs, as torchrun's ranks each choose). A model that cannot be built here is not estimated
     (``check_model`` / ``check_inputs`` report why), unless the layout is to be chosen."""
     from hpservice.memory.plan import check_fit, choose_layout
 
@@ -544,9 +547,10 @@ def plan_memory(
     if spec.resources.device_memory is not None:
         source = "resources.device_memory"
     if spec.parallelism.auto:
-        chosen, runner_up = choose_layout(spec, memory, device, profile)
+        chosen, runner_up = choose_layout(spec, memory, device, profile, budget_s=budget_s)
         record = {
             **chosen.spec.memory_estimate,
+            **({"device_memory_gib": round(memory / 2**30, 4)} if memory else {}),
             "auto": {
                 "chosen": chosen.label,
                 "chosen_step_s": round(chosen.seconds, 6),

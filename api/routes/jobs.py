@@ -110,13 +110,12 @@ def _validate(data) -> JobSpec:
         raise _spec_error(e) from None
 
 
-def _admit(spec, principal, job_id, settings, node_memory) -> JobSpec:
+def _admit(spec, principal, job_id, settings, node_memory, devices) -> JobSpec:
     """Admission (who may read and write what, the operator's bounds), then the checks that read
-    the admitted files (``admission.check_admitted``)."""
+    the admitted files and the memory plan (``admission.check_admitted``): the spec the job runs with."""
     try:
         spec = admit(spec, principal, job_id, settings)
-        check_admitted(spec, settings, node_memory)
-        return spec
+        return check_admitted(spec, settings, node_memory, devices)
     except SpecError as e:
         raise _spec_error(e) from None
 
@@ -150,8 +149,11 @@ async def _create(request, spec, principal, settings, store, supervisor, idempot
     job_id = new_run_id(spec.name)
     submitted = spec.model_dump(mode="json", by_alias=True)
     node_memory = await asyncio.to_thread(supervisor.node_memory)
-    # it reads files: on the validation pool, within its deadline and the owner's slots
-    spec = await request.app.state.validation.run(principal.owner, _admit, spec, principal, job_id, settings, node_memory)
+    devices = await asyncio.to_thread(supervisor.devices)
+    # it reads files and estimates memory: on the validation pool, within its deadline and the owner's slots
+    spec = await request.app.state.validation.run(
+        principal.owner, _admit, spec, principal, job_id, settings, node_memory, devices
+    )
     why = await asyncio.to_thread(supervisor.infeasible, spec)
     if why is not None:  # it would fail at launch: say so now, and how to make it fit
         raise APIError(422, "job spec: cannot fit the cluster", [{"path": "resources", "message": why}])

@@ -201,14 +201,14 @@ def load_launchable(args, *, here: bool = True, devices_here: bool | None = None
     import torch
 
     from hpservice.preflight import job_device, plan_memory, preflight
-    from hpservice.spec import SpecError, load_job, parse_bytes
+    from hpservice.spec import SpecError, load_job, parse_device_memory
 
     try:
         spec = load_job(args.job, args.set)
         preflight(spec, source=args.job, here=here, devices_here=devices_here)
         memory = getattr(args, "device_memory", None)
         try:
-            memory = parse_bytes(memory) if memory is not None else None
+            memory = parse_device_memory(memory) if memory is not None else None
         except ValueError as e:
             raise SpecError(f"--device-memory: {e}") from None
         device = job_device(spec, bool(here and devices_here is not False) and torch.cuda.device_count() >= spec.resources.workers)

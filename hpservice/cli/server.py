@@ -75,6 +75,13 @@ def add_parsers(sub) -> None:
         help="bytes one worker's training state may need, e.g. 64G (default: the largest Ray node's memory)",
     )
     bounds.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory of one worker's GPU, e.g. 80G: jobs whose estimated peak per rank is more are refused "
+        "(default: the GPU type's as Ray reports it; docs/memory.md)",
+    )
+    bounds.add_argument(
         "--max-tensor-elements", type=int, default=None, help="elements of a model's largest tensor (default 2^33)"
     )
     bounds.add_argument("--max-checkpoints-kept", type=int, default=None, help="the largest checkpoint.keep (default 20)")
@@ -140,6 +147,7 @@ def _serve(args) -> int:
 
 BOUND_OPTIONS = (
     "max_worker_memory",
+    "device_memory",
     "max_tensor_elements",
     "max_checkpoints_kept",
     "max_job_bytes",

@@ -38,7 +38,21 @@ from hpservice.spec import JobSpec, ParallelismSpec, SpecError, TrainingSpec
 
 from .estimate import MemoryEstimate, gib
 
-__all__ = ["DeviceProfile", "Fit", "check_fit", "choose_layout", "layout_label", "step_seconds"]
+__all__ = ["GPU_MEMORY", "DeviceProfile", "Fit", "check_fit", "choose_layout", "gpu_memory", "layout_label", "step_seconds"]
+
+GPU_MEMORY = {  # Ray's accelerator_type -> bytes per GPU (the smaller where a type comes in two sizes)
+    "H200": 141 << 30, "H100": 80 << 30, "H800": 80 << 30, "A100": 40 << 30, "A100-80G": 80 << 30,
+    "A800": 80 << 30, "L40S": 48 << 30, "L40": 48 << 30, "A40": 48 << 30, "A10G": 24 << 30, "L4": 24 << 30,
+    "V100": 16 << 30, "T4": 16 << 30, "B200": 180 << 30, "GH200": 96 << 30,
+}  # fmt: skip
+
+
+def gpu_memory(resources: dict) -> int | None:
+    """A Ray node's GPU memory from its ``accelerator_type:<X>`` resource, None if unknown."""
+    for key in resources:
+        if key.startswith("accelerator_type:"):
+            return GPU_MEMORY.get(key.split(":", 1)[1])
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +379,7 @@ def candidates(spec: JobSpec, cfg) -> list[JobSpec]:
 
 def _search(
     spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None, *, want: int,
-    most_estimates: int = 512, budget_s: float = 20.0,
+    most_estimates: int = 512, budget_s: float | None = 20.0,
 ) -> tuple[list[Fit], list[tuple[str, str, float]]]:  # fmt: skip
     """The ``want`` fastest layouts of ``spec`` that fit, and the rejected ones with why and how
     far from fitting (peak / memory). Estimates in cost order, at most ``most_estimates`` of them
@@ -384,7 +398,7 @@ def _search(
         timed.append(Fit(candidate, step_seconds(candidate, cfg, params, profile, fpt)))
     timed.sort(key=lambda f: f.seconds)
     fits: list[Fit] = []
-    deadline = time.monotonic() + budget_s
+    deadline = time.monotonic() + budget_s if budget_s is not None else math.inf
     for fit in timed[:most_estimates]:
         if time.monotonic() > deadline:
             break
@@ -405,13 +419,14 @@ def _search(
 
 
 def choose_layout(
-    spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None
+    spec: JobSpec, device_memory: int | None, device: str, profile: DeviceProfile | None = None,
+    budget_s: float | None = 20.0,
 ) -> tuple[Fit, Fit | None]:
     """``parallelism: auto`` (module doc): (the chosen layout, the runner-up or None); the chosen
     spec has ``auto`` false and its estimate. A ``SpecError`` naming the closest rejected layouts
     when nothing fits."""
     try:
-        fits, rejected = _search(spec, device_memory, device, profile, want=2)
+        fits, rejected = _search(spec, device_memory, device, profile, want=2, budget_s=budget_s)
     except SpecError:
         raise
     except Exception as e:  # the model cannot be built here (a factory, init_from elsewhere)

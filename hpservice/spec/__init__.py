@@ -52,7 +52,8 @@ from .model import (
     WandbSpec,
     did_you_mean,
     new_run_id,
-    parse_bytes,
+    parse_device_memory,
+    parse_size,
 )
 from .reference import fields_reference
 
@@ -90,8 +91,9 @@ __all__ = [
     "fields_reference",
     "load_job",
     "new_run_id",
-    "parse_bytes",
+    "parse_device_memory",
     "parse_job",
+    "parse_size",
     "yaml_error",
     "yaml_load",
 ]

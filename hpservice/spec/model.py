@@ -22,23 +22,28 @@ MAX_OVERRIDES_BYTES = 64 << 10
 
 
 MAX_DEVICE_MEMORY = 1 << 44  # 16 TiB: more than any accelerator (or host) a worker has
-_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def parse_bytes(value: int | str) -> int:
-    """``80GiB``, ``80 GB``, ``512MiB`` or a number of bytes, as bytes; a ``ValueError`` saying
-    why for anything else, for zero or less, and for more than ``MAX_DEVICE_MEMORY``."""
+def parse_size(text: str) -> int:
+    """``"64G"``, ``"512M"``, ``"1.5T"`` or a plain number of bytes (binary units, a trailing
+    ``i``/``B`` allowed: ``64GiB``, ``80GB`` is 80 GiB as GPU makers count it)."""
     import re
 
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"{text!r} is not a size: use a number of bytes or one with K, M, G or T (e.g. 80GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def parse_device_memory(value: int | str) -> int:
+    """A device's memory (``resources.device_memory``, ``validate --device-memory``): bytes or a
+    size (``parse_size``); a ``ValueError`` saying why for anything else, for zero or less, and for
+    more than ``MAX_DEVICE_MEMORY``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"{value!r} is not a size: use bytes (an integer) or a string like 80GiB")
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _BYTE_UNITS:
-            raise ValueError(f"{value!r} is not a size: use bytes or a number with KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-        value = int(float(m.group(1)) * _BYTE_UNITS[unit])
+        value = parse_size(value)
     if value <= 0 or value > MAX_DEVICE_MEMORY:
         raise ValueError(f"{value} bytes is not a device's memory: it must be more than 0 and at most 16 TiB")
     return value
@@ -554,7 +559,7 @@ class ResourcesSpec(_Section):
     @field_validator("device_memory", mode="before")
     @classmethod
     def _device_memory(cls, v):
-        return None if v is None else parse_bytes(v)
+        return None if v is None else parse_device_memory(v)
 
     @model_validator(mode="after")
     def _min_workers_at_most_workers(self):

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_job(args.job, args.set)
         # torchrun gives the world size, so the layout is checked at start; the rest is knowable now
         raise_if(check_model(spec) + check_inputs(spec) + check_devices(spec), args.job)
+        if spec.parallelism.auto:  # every rank chooses alike: the same inputs, no time budget
+            spec = _choose_layout(spec)
     except SpecError as e:
         print(e, file=sys.stderr)
         return ExitCode.USAGE
@@ -33,6 +35,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{spec.name}] run {trainer.spec.run_id}: metrics in {trainer.output_dir}{checkpoints}", flush=True)
     trainer.train()
     return ExitCode.OK
+
+
+def _choose_layout(spec):
+    """``parallelism: auto`` under torchrun: the world it gave, this machine's devices."""
+    import os
+
+    import torch
+
+    from hpservice.preflight import plan_memory
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"workers": world})})
+    cuda = torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    return plan_memory(spec, device_memory=memory, device="cuda" if cuda else "cpu", source="this GPU's memory", budget_s=None)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,11 @@ class Trainer:
         run resuming past it first reports the steps between from its ``metrics.jsonl`` (an
         earlier attempt trained them, but its reports were lost with its coordinator)."""
         confine(spec.input_roots)  # inputs are checked again on each file as it is opened
+        if spec.parallelism.auto:  # every rank must build the same layout: it is chosen once, before
+            raise TrainingError(
+                "parallelism: auto is resolved where the job is handed over (hpservice validate / run / submit, or "
+                "hpservice.preflight.plan_memory), not by each rank: pass the spec it returns"
+            )
         self._stop = threading.Event()  # set by request_stop, from another thread, on this rank
         self._stopping = False  # agreed by all ranks after a step
         self.device = pick_device(spec)
@@ -375,6 +380,7 @@ class Trainer:
             **self.utilisation.record(tokens / elapsed / self.world),
             **self.memory.record(),
         }
+        values.update(self._peaks_per_rank(values))
         if self.dpo is not None:
             pp_group = self.parallel_dims.pp_mesh.get_group() if self.parallel_dims.pp > 1 else None
             values.update(self.dpo.metrics(pp_group), reference_gib=self.reference.held_bytes() / 2**30)
@@ -386,6 +392,22 @@ class Trainer:
         record = step_record(self.step, time.time(), values)  # time: the wall clock at the end of the step
         self.reporter.report(record)
         return record
+
+    def _peaks_per_rank(self, values: dict) -> dict:
+        """Every rank's measured peak of the step beside its estimate (``spec.memory_estimate``:
+        one entry per pp rank): one all-gather of a number per rank."""
+        mine = values.get("peak_memory_allocated_gib", values["peak_rss_gib"])
+        peaks = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(peaks, torch.tensor([mine], dtype=torch.float64, device=self.device))
+        estimate = self.spec.memory_estimate
+        per_pp = [r["peak_gib"] for r in estimate["ranks"]] if estimate else []
+        pp_of = self.parallel_dims.pp_rank_of if per_pp else None
+        out = {"peak_memory_per_rank_gib": {
+            str(r): [round(float(p), 4), per_pp[pp_of(r)] if pp_of else None] for r, p in enumerate(peaks.tolist())
+        }}  # fmt: skip
+        if per_pp:
+            out["estimated_peak_gib"] = per_pp[pp_of(self.rank)]
+        return out
 
     def close(self) -> None:
         if self._profiler is not None:
