@@ -181,7 +181,7 @@ def check_admitted(
             raise_if([("parallelism", "auto needs the model's config where the job is submitted, and model.init_from "
                        "is not under a data root or job directory this server sees")], "job spec")  # fmt: skip
         return spec.model_copy(update={"memory_estimate": None})
-    memory = settings.bounds.device_memory or (gpu_memory if device == "cuda" else None)
+    memory = (settings.bounds.device_memory or gpu_memory) if device == "cuda" else None  # a CPU job: its own figure
     source = "the server's --device-memory" if settings.bounds.device_memory else "the cluster's GPU memory"
     return plan_memory(spec, device_memory=memory, device=device, source=source)
 

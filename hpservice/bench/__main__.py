@@ -14,6 +14,7 @@ from hpservice.bench import (
     gpu,
     hf,
     lora,
+    memory,
     moe,
     overhead,
     plan,
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     fsdp.add_parser(sub)
     service.add_parser(sub)
     tp.add_parser(sub)
+    memory.add_parser(sub)
     hf.add_parser(sub)
     gpu.add_parser(sub)
     overhead.add_parser(sub)

@@ -36,6 +36,7 @@ class Unit:
     trainable: int  # real elements of trainable parameters
     largest_trainable: int  # the largest trainable parameter's real local elements
     ranks: int  # S
+    trainable_whole: int = 0  # elements of the trainable parameters unsharded: their gradients' before reduction
     nf4_bytes: int = 0  # QLoRA's base weights fully_shard leaves alone (models/lora.py: shard_base_nf4)
 
     @property
@@ -156,6 +157,7 @@ def fsdp_units(part: nn.Module, frozen: set[str], shard_ranks: int, ep: int, nf4
         u.shard += chunk * rest
         u.real += min(chunk, rows) * rest  # rank 0's: the fullest
         if param.requires_grad and name not in frozen:
+            u.trainable_whole += param.numel()
             u.trainable += min(chunk, rows) * rest
             u.largest_trainable = max(u.largest_trainable, min(chunk, rows) * rest)
     return list(units.values())

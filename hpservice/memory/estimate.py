@@ -211,7 +211,6 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
         # held during forward and backward
         block_units = [u for u in units if u.name != "root"]
         root = next((u for u in units if u.name == "root"), None)
-        unsharded = sum(u.unsharded for u in units)
         gathered = grads_kept = 0
         if fsdp:
             # at the peak (backward's start): the root, and the last block (kept after its forward),
@@ -226,7 +225,7 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
             if device != "cpu":  # one unit's all-gather output and reduce-scatter input at a time
                 gathered += max((u.unsharded for u in units), default=0) * (param_b + reduce_b)
         if p.pp > 1 or (t.grad_accum > 1 and not p.sync_every_micro_batch):  # unreduced gradients kept between micro-batches
-            grads_kept = unsharded * param_b if fsdp else trainable * 4
+            grads_kept = sum(u.trainable_whole for u in units) * (param_b if fsdp else 4)
         in_flight = held.get(pp_rank, 1)
         micro = p.microbatches(t.grad_accum) if p.pp > 1 else t.grad_accum
         activations = (in_flight - 1) * saved_per_micro + peak_one
@@ -251,6 +250,8 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
 
 _CACHE: OrderedDict[tuple, object] = OrderedDict()  # meta models, layouts, traces: least recently used go
 _CACHE_SIZE = 4096
+_MODELS: OrderedDict[tuple, object] = OrderedDict()
+_MODELS_SIZE = 16
 
 
 class _Failed:
@@ -260,17 +261,19 @@ class _Failed:
 
 def _cached(key: tuple, build):
     """``build()``, once per ``key``; a build that raised raises the same again (a layout the
-    model refuses is refused for every candidate that shares it, without building it again)."""
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
+    model refuses is refused for every candidate that shares it, without building it again).
+    Models (``meta``, ``parts``: module trees) are kept fewer than the small facts."""
+    cache, size = (_MODELS, _MODELS_SIZE) if key[0] in ("meta", "parts") else (_CACHE, _CACHE_SIZE)
+    if key in cache:
+        cache.move_to_end(key)
     else:
         try:
-            _CACHE[key] = build()
+            cache[key] = build()
         except Exception as e:  # kept to raise again
-            _CACHE[key] = _Failed(e)
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    value = _CACHE[key]
+            cache[key] = _Failed(e)
+        while len(cache) > size:
+            cache.popitem(last=False)
+    value = cache[key]
     if isinstance(value, _Failed):
         raise value.error
     return value
@@ -295,7 +298,7 @@ def _stage_facts(spec, pp_rank: int, shard_ranks: int, nf4: bool, seq: int, trac
     trace = (t.activation_checkpointing, t.selective_every, p.mixed_precision, seq, trace_device)
     units_key, trace_key = ("units", *layout, shard_ranks, nf4), ("trace", *layout, *trace)
     last_stage = p.pp * p.pp_virtual_stages - 1
-    if units_key not in _CACHE or trace_key not in _CACHE:
+    if units_key not in _CACHE or trace_key not in _CACHE or isinstance(_CACHE.get(units_key), _Failed):
         meta = _cached(("meta", *model), lambda: meta_model(spec))
         _, stages, frozen = _cached(("parts", *layout), lambda: rank_parts(spec, pp_rank, meta))
         _cached(units_key, lambda: [fsdp_units(part, frozen, shard_ranks, p.ep, nf4) for _, part in stages])
@@ -304,7 +307,7 @@ def _stage_facts(spec, pp_rank: int, shard_ranks: int, nf4: bool, seq: int, trac
                                  dim=part.cfg.dim if hasattr(part, "cfg") else 0, device=trace_device))
             for stage, part in stages
         ])  # fmt: skip
-    units, traces = _CACHE[units_key], _CACHE[trace_key]
+    units, traces = _cached(units_key, list), _cached(trace_key, list)
     return [(stage, u, traced) for u, (stage, traced) in zip(units, traces, strict=True)]
 
 
