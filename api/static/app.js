@@ -270,6 +270,7 @@ function renderLive() {
   $("f-lr").textContent = last ? fmtLr(last.lr) : "—";
   $("f-tps").textContent = last ? fmtRate(last.tokens_per_s) : "—";
   renderStepMetrics(recs);
+  renderMemory(recs);
   renderStep();
   renderLogs();
 }
@@ -301,6 +302,37 @@ function renderStepMetrics(recs) {
     shown.push(row);
   }
   body.replaceChildren(...shown);
+}
+
+// the estimate made when the job was handed over (its spec's memory_estimate) beside each rank's
+// measured peak of the last step (peak_memory_per_rank_gib: {rank: [measured, estimated]})
+function renderMemory(recs) {
+  const job = cur.job || {};
+  const est = job.spec && job.spec.memory_estimate;
+  let measured = null;
+  for (let i = (recs || []).length - 1; i >= 0 && !measured; i--) measured = recs[i].peak_memory_per_rank_gib || null;
+  const gib = (v) => (isNum(v) ? `${v.toFixed(3)} GiB` : "—");
+  if (!est && !measured) {
+    $("memory-summary").textContent = "No estimate: the job was not planned (its model was not readable where it was submitted).";
+    $("memory-ranks").replaceChildren();
+    return;
+  }
+  const parts = [];
+  if (est) {
+    parts.push(`Estimated peak ${gib(est.peak_gib)} per rank on ${est.device}, micro-batch ${est.micro_batch}`);
+    if (isNum(est.device_memory_gib)) parts.push(`of ${gib(est.device_memory_gib)} per device`);
+    if (est.auto) parts.push(`— layout chosen by auto: ${est.auto.chosen}`);
+  }
+  $("memory-summary").textContent = parts.join(" ") + ".";
+  const lines = [];
+  if (measured) {
+    for (const [rank, [peak, estimate]] of Object.entries(measured)) {
+      lines.push(el("li", {}, `rank ${rank}: measured ${gib(peak)}, estimated ${gib(estimate)}`));
+    }
+  } else if (est) {
+    for (const r of est.ranks) lines.push(el("li", {}, `${r.ranks}: estimated ${gib(r.peak_gib)} (${r.phase})`));
+  }
+  $("memory-ranks").replaceChildren(...lines);
 }
 
 function renderStep() {
@@ -581,6 +613,7 @@ function renderJob() {
   renderCheckpoints();
   renderHistory();
   renderStep();
+  renderMemory(cur.sorted || []);
 }
 
 async function loadJob() {

@@ -20,8 +20,9 @@ from .._jobs import train as _run
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_ranks_equal_one_process(ranks, tmp_path):
-    spec = _spec(tmp_path, training={"steps": 4, "grad_accum": 2})
+@pytest.mark.parametrize("sync_every_micro_batch", [False, True], ids=["reduce-once", "reduce-every-micro-batch"])
+def test_two_ranks_equal_one_process(ranks, tmp_path, sync_every_micro_batch):
+    spec = _spec(tmp_path, training={"steps": 4, "grad_accum": 2}, parallelism={"sync_every_micro_batch": sync_every_micro_batch})
     two = ranks(2).run(_run, spec)[0]
     one = ranks(1).run(
         _run, spec.model_copy(update={"metrics": spec.metrics.model_copy(update={"dir": str(tmp_path / "one")})})

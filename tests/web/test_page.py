@@ -83,7 +83,15 @@ class FakeJob:
             "updated_at": now,
             "history": [{"state": "QUEUED", "time": now, "message": "waiting for resources"}],
             "checkpoints": [],
-            "spec": {"name": "tiny-cpu", "model": {"lora": {"r": 8, "lora_alpha": 16}}, "training": {"steps": STEPS}},
+            "spec": {
+                "name": "tiny-cpu", "model": {"lora": {"r": 8, "lora_alpha": 16}}, "training": {"steps": STEPS},
+                "memory_estimate": {  # as admission plans it (hpservice.preflight.plan_memory)
+                    "device": "cuda", "peak_gib": 1.25, "micro_batch": 2, "device_memory_gib": 80.0,
+                    "auto": {"chosen": "dp_shard 2, micro_batch 2, activation_checkpointing none"},
+                    "ranks": [{"ranks": "every rank", "peak_gib": 1.25, "phase": "forward and backward", "components_gib": {}}],
+                    "assumptions": [],
+                },
+            },
             "ray_dashboard_url": "http://127.0.0.1:8265/#/actors",
         }
 
@@ -134,6 +142,7 @@ class FakeJob:
                     # a MoE job's: layer 3 evens out, layer 1 grows more skewed (the worst at the end)
                     "expert_load": {"1": [40 + step, 40, 40, 40 - step], "3": [50 - step, 40, 40, 30 + step]},
                     "expert_imbalance": (40 + step) / 40,
+                    "peak_memory_per_rank_gib": {"0": [1.5, 1.25], "1": [1.4, 1.25]},
                 },
             )
             if step % 5 == 0:
@@ -440,7 +449,8 @@ def test_page_shows_a_live_job(browser, tmp_path):
         # every metric the job reported, in the registry's order, with its unit; val_loss from its last step
         rows = css_all(browser, '[data-testid="step-metrics"] tbody tr')
         shown = [r.get_attribute("data-metric") for r in rows]
-        assert shown == ["loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "expert_load", "expert_imbalance", "val_loss"]
+        assert shown == ["loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_per_rank_gib", "expert_load",
+                         "expert_imbalance", "val_loss"]  # fmt: skip
         cells = {r.get_attribute("data-metric"): [c.text for c in r.find_elements("tag name", "td")] for r in rows}
         assert cells["tokens_per_s"][2] == "tokens/s" and cells["expert_load"][1] == "2 rows"
         assert cells["grad_norm"][1] == "0.6" and "(step" not in cells["val_loss"][1]  # step 30 has one
@@ -464,6 +474,12 @@ def test_page_shows_a_live_job(browser, tmp_path):
         assert css(browser, '[data-testid="restart-count"]').text == "1 restart."
         # where each rank runs
         assert css(browser, '[data-testid="placement-summary"]').text == "2 ranks on 2 nodes."
+        # the estimate the job was planned with, beside each rank's measured peak
+        memory = css(browser, '[data-testid="memory-summary"]').text
+        assert "Estimated peak 1.250 GiB per rank on cuda, micro-batch 2 of 80.000 GiB per device" in memory
+        assert "chosen by auto: dp_shard 2" in memory
+        assert css(browser, '[data-testid="memory-ranks"]').text.splitlines() == [
+            "rank 0: measured 1.500 GiB, estimated 1.250 GiB", "rank 1: measured 1.400 GiB, estimated 1.250 GiB"]
         placement = css(browser, '[data-testid="placement"]').text
         assert "node aaaaaaaa (10.0.0.5): rank 0" in placement and "node bbbbbbbb (10.0.0.6): rank 1" in placement
         assert "step 30 loss" in css(browser, '[data-testid="logs"]').text
