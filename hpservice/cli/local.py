@@ -193,19 +193,22 @@ def _export(args) -> int:
     return ExitCode.OK
 
 
-def load_launchable(args, *, here: bool = True, devices_here: bool | None = None):
+def load_launchable(args, *, here: bool = True, devices_here: bool | None = None, plan: bool = True):
     """The job file with ``--set`` overrides, checked as far as it can be before anything starts
     (``hpservice.preflight``: the layout everywhere; for a job run on this machine, ``here``, also
     its model, its input files and its GPU), with its memory estimate and, for ``parallelism:
-    auto``, its layout (``plan_memory``); None after printing why."""
-    import torch
-
+    auto``, its layout (``plan_memory``; not with ``plan=False``: ``submit`` leaves that to the
+    server, which knows the cluster's devices); None after printing why."""
     from hpservice.preflight import job_device, plan_memory, preflight
     from hpservice.spec import SpecError, load_job, parse_device_memory
 
     try:
         spec = load_job(args.job, args.set)
         preflight(spec, source=args.job, here=here, devices_here=devices_here)
+        if not plan:
+            return spec
+        import torch
+
         memory = getattr(args, "device_memory", None)
         try:
             memory = parse_device_memory(memory) if memory is not None else None

@@ -139,7 +139,8 @@ def _text(value):
 
 
 def _cmd_submit(args) -> int:
-    spec = load_launchable(args, here=False)  # the server resolves model names and reads files of its own
+    # the server resolves model names, reads files of its own and plans memory on its cluster's devices
+    spec = load_launchable(args, here=False, plan=False)
     if spec is None:
         return ExitCode.USAGE
     with _client(args) as client:

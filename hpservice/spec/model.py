@@ -483,6 +483,11 @@ class ParallelismSpec(_Section):
             if self.pp_virtual_stages != 1:
                 raise ValueError("parallelism.pp_virtual_stages needs pp > 1")
             return self
+        if self.sync_every_micro_batch:
+            raise ValueError(
+                "parallelism.sync_every_micro_batch: a pipeline stage reduces its gradients after its last micro-batch "
+                "(pp > 1); it applies to gradient accumulation without pp"
+            )
         if self.pp_virtual_stages > 1 and self.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
             raise ValueError(
                 f"parallelism.pp_virtual_stages {self.pp_virtual_stages}: several stages per rank need pp_schedule "

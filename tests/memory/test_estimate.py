@@ -86,6 +86,38 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_peak_of_every_rank(r
     assert est.traced == (family != "qwen3_moe")  # routing's data-dependent shapes: the formula
 
 
+class _OwnModel(torch.nn.Module):
+    """A factory's model: no ``layers``, so one fully_shard unit; traced as a whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 128)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+        self.head = torch.nn.Linear(128, 512)
+
+    def forward(self, ids):
+        return self.head(self.mlp(self.embed(ids)))
+
+
+def own_model():
+    return _OwnModel()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_factory_models_estimate_is_within_ten_percent_of_its_measured_peak(ranks, workers):
+    from hpservice.spec import parse_job
+
+    spec = parse_job({
+        "name": "own", "model": {"name": "tests.memory.test_estimate:own_model", "flavor": None},
+        "data": {"kind": "synthetic", "seq_len": 128, "global_batch": 8, "vocab_size": 512},
+        "training": {"steps": 3}, "resources": {"workers": workers}, "metrics": {"log_every": 1000},
+    })  # fmt: skip
+    est = estimate(spec, device="cpu")
+    assert est.traced
+    for r in measure(spec, pool=ranks(workers)):
+        assert abs(est.peak / r["peak_bytes"] - 1) < 0.10, (r, est.peak)
+
+
 def test_the_estimate_breaks_down_by_component_and_says_what_it_assumes():
     spec = job("llama", 2, {"mixed_precision": "bf16"}, {"grad_accum": 2})
     est = estimate(spec, device="cuda")
