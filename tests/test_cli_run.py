@@ -8,13 +8,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_hpservice_run_tiny_example(tmp_path):
+    """The example with its layout left to ``parallelism: auto`` (its dp_replicate and grad_accum
+    kept): chosen before Ray starts, run by every worker alike."""
     cmd = [
         sys.executable, "-m", "hpservice", "run", str(ROOT / "examples" / "tiny-cpu.yaml"),
-        "--set", "training.steps=5", "--set", "checkpoint.interval=5",
+        "--set", "training.steps=5", "--set", "checkpoint.interval=5", "--set", "parallelism.auto=true",
         "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"metrics.dir={tmp_path}",
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "parallelism: auto chose dp_shard" in out.stdout and "micro_batch 4" in out.stdout
     assert "SUCCEEDED: finished 5 steps" in out.stdout
     assert (tmp_path / "ckpt" / "step-00000005" / "manifest.json").is_file()
     (run,) = tmp_path.glob("tiny-cpu-*/metrics.jsonl")

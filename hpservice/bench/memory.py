@@ -22,6 +22,7 @@ and a gloo all-reduce's bandwidth) is compared with the fastest: the goal is wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -113,31 +114,47 @@ def estimate_vs_measured(quick: bool) -> dict:
 # ---- auto vs brute force -------------------------------------------------------------------------
 
 
-def _bandwidth_rank(nbytes: int) -> float:
+def _link_rank(nbytes: int) -> tuple[float, float]:
+    """(GB/s each rank sends in a ring all-reduce of ``nbytes``, seconds of a one-number all-reduce)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.ones(nbytes // 4)
-    dist.all_reduce(t)
-    start = time.perf_counter()
-    for _ in range(3):
+    def timed(t: torch.Tensor, n: int) -> float:
         dist.all_reduce(t)
-    seconds = (time.perf_counter() - start) / 3
-    return 2 * nbytes / 2 / seconds / 1e9  # ring all-reduce over 2 ranks: each sends half, twice
+        start = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(t)
+        return (time.perf_counter() - start) / n
+
+    world = dist.get_world_size()
+    sent = 2 * nbytes * (world - 1) / world
+    return sent / timed(torch.ones(nbytes // 4), 3) / 1e9, timed(torch.ones(1), 50)
 
 
-def calibrate(pool) -> object:
-    """This machine's ``DeviceProfile``: one thread's matmul FLOP rate, gloo's all-reduce rate."""
-    import torch
+def calibrate(pools: dict, spec) -> object:
+    """This machine's ``DeviceProfile`` from measurements: gloo's all-reduce bandwidth and latency;
+    the sustained FLOP rate and the per-block overhead from one rank's steps of ``spec``'s model
+    with 1 and 8 micro-batches (the same compute, eight times the micro-batches); the sharded
+    blocks' overhead multiple from a tensor-parallel step."""
+    from hpservice.memory.measure import step_time
+    from hpservice.memory.plan import DeviceProfile, _model_facts, step_seconds
 
-    from hpservice.memory.plan import DeviceProfile
-    from hpservice.train._utilisation import measure_cpu_peak_flops
-
-    torch.set_num_threads(1)
-    flops = measure_cpu_peak_flops()
-    gbs = min(pool.run(_bandwidth_rank, 16 * MIB))
-    base = DeviceProfile.default("cpu")
-    return DeviceProfile(flops, gbs, gbs, base.devices_per_node, base.overhead_s, base.fsdp_exposed)
+    gbs, latency = max(pools[2].run(_link_rank, 16 * MIB), key=lambda r: r[1])
+    cfg, params, fpt = _model_facts(spec)
+    blocks = cfg.n_layers
+    one = spec.model_copy(update={
+        "parallelism": spec.parallelism.model_copy(update={"auto": False}),
+        "resources": spec.resources.model_copy(update={"workers": 1}),
+    })  # fmt: skip
+    t1 = step_time(one, pool=pools[1], steps=5)
+    t8 = step_time(one.model_copy(update={"training": one.training.model_copy(update={"grad_accum": 8})}), pool=pools[1], steps=5)
+    overhead = max(1e-6, (t8 - t1) / (7 * blocks))
+    flops = fpt(cfg, spec.data.seq_len) * spec.data.global_batch * spec.data.seq_len / max(t1 - blocks * overhead, 1e-6)
+    base = DeviceProfile(flops, gbs, gbs, 1 << 16, overhead, 1.0, latency, 1.0)
+    tp = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"auto": False, "tp": 2, "dp_shard": 1})})
+    t_tp = step_time(tp, pool=pools[2], steps=5)
+    sharded = 1 + max(0.0, t_tp - step_seconds(tp, cfg, params, base, fpt)) / (blocks * overhead)
+    return dataclasses.replace(base, sharded_overhead=sharded)
 
 
 def auto_vs_brute_force(quick: bool) -> dict:
@@ -150,9 +167,13 @@ def auto_vs_brute_force(quick: bool) -> dict:
     device_memory = 150 * MIB  # rules out the micro-batches of 4 and 8 rows without checkpointing
     spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"device_memory": device_memory})})
     cfg, params, fpt = _model_facts(spec)
-    with RankPool(2) as pool:
-        profile = calibrate(pool)
+    with RankPool(1) as one, RankPool(2) as pool:
+        profile = calibrate({1: one, 2: pool}, spec)
+        print(f"  calibrated: {profile.flops / 1e9:.1f} GFLOP/s, {profile.intra_gbs:.2f} GB/s, latency "
+              f"{profile.latency_s * 1e6:.0f} us, {profile.block_overhead_s * 1e3:.2f} ms per block and micro-batch, "
+              f"x{profile.sharded_overhead:.2f} sharded", flush=True)  # fmt: skip
         chosen, runner_up = choose_layout(spec, device_memory, "cpu", profile, budget_s=None)
+        print(f"  auto chooses [{chosen.label}], runner-up [{runner_up.label if runner_up else None}]", flush=True)
         results = []
         for candidate in candidates(spec, cfg):
             if _valid(candidate) is not None:
@@ -180,7 +201,7 @@ def auto_vs_brute_force(quick: bool) -> dict:
     picked = next((r for r in results if r["layout"] == chosen.label), None)
     return {
         "device_memory_bytes": device_memory,
-        "profile": {"flops": profile.flops, "gbs": profile.intra_gbs},
+        "profile": dataclasses.asdict(profile),
         "chosen": chosen.label,
         "runner_up": runner_up.label if runner_up else None,
         "fastest": fastest,
@@ -191,12 +212,13 @@ def auto_vs_brute_force(quick: bool) -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
-    print("memory: estimate vs measured peak per rank (MiB, the fullest rank), CPU gloo ranks")
-    print(f"  {'configuration':<48}{'estimate':>10}{'measured':>10}{'ratio':>8}")
-    result = {"grid": estimate_vs_measured(args.quick)}
-    g = result["grid"]
-    print(f"{len(g['rows'])} configurations: median error {g['median_error']:.2%}, worst {g['worst']['config']} "
-          f"ratio {g['worst']['ratio']:.3f}")  # fmt: skip
+    result: dict = {}
+    if not args.no_grid:
+        print("memory: estimate vs measured peak per rank (MiB, the fullest rank), CPU gloo ranks")
+        print(f"  {'configuration':<48}{'estimate':>10}{'measured':>10}{'ratio':>8}")
+        g = result["grid"] = estimate_vs_measured(args.quick)
+        print(f"{len(g['rows'])} configurations: median error {g['median_error']:.2%}, worst {g['worst']['config']} "
+              f"ratio {g['worst']['ratio']:.3f}")  # fmt: skip
     if args.auto:
         print("auto vs brute force: llama tiny, 2 ranks, global batch 8 x 256, device memory 150 MiB")
         a = result["auto"] = auto_vs_brute_force(args.quick)
@@ -212,5 +234,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("memory", help="the memory estimate vs the measured peak per rank; parallelism: auto vs brute force")
     p.add_argument("--quick", action="store_true", help="a few configurations (the tests' smoke run)")
     p.add_argument("--auto", action="store_true", help="also sweep every layout auto considers and time the ones that fit")
+    p.add_argument("--no-grid", action="store_true", help="skip the estimate-vs-measurement grid (with --auto: the sweep alone)")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     p.set_defaults(run=_main)

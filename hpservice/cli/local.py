@@ -110,6 +110,9 @@ def _run(args) -> int:
     spec = load_launchable(args, here=args.address is None)
     if spec is None:
         return ExitCode.USAGE
+    auto = (spec.memory_estimate or {}).get("auto")
+    if auto:
+        print(f"parallelism: auto chose {auto['chosen']} (runner-up: {auto['runner_up']})", flush=True)
     if spec.training.compile and args.address is None:  # the workers run on this machine: check it now
         import torch
 

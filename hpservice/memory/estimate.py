@@ -28,8 +28,9 @@ ranks hold the same but for rounding), by component, in bytes:
   once (``parallel.pipelining.simulate``).
 - **in host memory (cpu_offload)**: with ``cpu_offload`` on an accelerator, the shards, their
   gradients, the optimizer state and its step live in host memory: reported, not in the device's peak.
-- **optimizer step temporaries**: AdamW's per-parameter step (torch's single-tensor path, which
-  hpservice's DTensor parameters take) allocates two tensors the size of the parameter.
+- **optimizer step temporaries**: on CPU AdamW steps one parameter at a time (two temporaries
+  the size of the largest); on CUDA torch's foreach path (our DTensor is registered for it) holds
+  the square roots of every second moment at once (the trainable shards' size, fp32).
 
 The peak is the persistent part plus the larger of the forward/backward part and the optimizer
 step's. What is not in it (the assumptions, also in every estimate's ``assumptions``): the
@@ -224,7 +225,9 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
             gathered = ((root.unsharded if root else 0) + blocks_held) * param_b
             if device != "cpu":  # one unit's all-gather output and reduce-scatter input at a time
                 gathered += max((u.unsharded for u in units), default=0) * (param_b + reduce_b)
-        if p.pp > 1 or (t.grad_accum > 1 and not p.sync_every_micro_batch):  # unreduced gradients kept between micro-batches
+        # unreduced gradients kept between micro-batches (fully_shard reduces each micro-batch's at
+        # once with sync_every_micro_batch; plain tensor-parallel gradients accumulate in place)
+        if p.pp > 1 or (t.grad_accum > 1 and not (fsdp and p.sync_every_micro_batch)):
             grads_kept = sum(u.trainable_whole for u in units) * (param_b if fsdp else 4)
         in_flight = held.get(pp_rank, 1)
         micro = p.microbatches(t.grad_accum) if p.pp > 1 else t.grad_accum
@@ -237,7 +240,9 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
         c["gathered parameters and gradients"] = gathered
         c["activations and loss"] = activations
         largest_trainable = max((u.largest_trainable for u in units), default=0)
-        c["optimizer step temporaries"] = 2 * largest_trainable * 4 if opt_state else 0
+        # torch's optimizers run foreach (every parameter's temporary at once: AdamW's square roots of
+        # the second moments) on CUDA, where our DTensor is registered for it; one at a time on CPU
+        c["optimizer step temporaries"] = (trainable * 4 if device == "cuda" else 2 * largest_trainable * 4) if opt_state else 0
         if p.cpu_offload and fsdp and device != "cpu":  # the shards, their gradients and the optimizer live in host memory
             offloaded = ("parameters", "gradients", "optimizer state", "optimizer step temporaries")
             c[HOST] = sum(c[k] for k in offloaded)

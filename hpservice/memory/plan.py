@@ -13,7 +13,7 @@
 
 The cost model of one step on one rank, in seconds::
 
-    compute / (1 - bubble)  +  exposed communication  +  micro-batches x overhead
+    compute / (1 - bubble)  +  exposed communication  +  micro-batches x blocks x overhead
 
 ``compute`` is the family's training FLOPs per token (``ModelSpec.flops_per_token``, else 6 N)
 times the rank's share of the step's tokens (the global batch over every rank: data, tensor and
@@ -24,8 +24,10 @@ them: fully_shard's all-gathers per micro-batch and its reduce-scatter, HSDP's a
 parallelism's four all-reduces per block and micro-batch, context parallelism's key/value
 exchange, the pipeline's activations, expert parallelism's all-to-all) at the link they cross
 (inside a node or across nodes); on an accelerator fully_shard's overlap with compute hides all
-but ``fsdp_exposed`` of it. ``DeviceProfile`` holds the rates: defaults per device kind, or
-measured ones (``python -m hpservice.bench memory`` measures this machine's).
+but ``fsdp_exposed`` of it; every message pays the link's latency. The overhead is per block and
+micro-batch (launches, hooks, Python; more where the block's ops go through DTensor or ring
+attention). ``DeviceProfile`` holds the rates: defaults per device kind, or measured ones
+(``python -m hpservice.bench memory --auto`` measures this machine's from a few training steps).
 """
 
 from __future__ import annotations
@@ -63,16 +65,18 @@ class DeviceProfile:
     intra_gbs: float  # GB/s a device sends inside a node
     inter_gbs: float  # GB/s a device sends across nodes
     devices_per_node: int
-    overhead_s: float  # per micro-batch: launches, hooks, Python
+    block_overhead_s: float  # per block, forward and backward, per micro-batch: launches, hooks, Python
     fsdp_exposed: float  # share of fully_shard's communication that compute does not hide
+    latency_s: float  # per collective (or point-to-point message)
+    sharded_overhead: float  # the block overhead's multiple when its ops are DTensor ops (tp) or ring attention (cp)
     host_gbs: float = 20.0  # GB/s between the device and host memory (cpu_offload)
     host_flops: float = 2e10  # FLOP/s of the host's optimizer step (cpu_offload)
 
     @classmethod
     def default(cls, device: str, mixed_precision: str = "bf16") -> DeviceProfile:
         if device == "cuda":  # an H100 at ~40% of its dense peak; NVLink and 400 Gb/s InfiniBand
-            return cls(400e12 if mixed_precision != "none" else 50e12, 300.0, 40.0, 8, 2e-3, 0.2)
-        return cls(2e10, 1.0, 1.0, 1 << 16, 5e-3, 1.0)  # one CPU core, gloo on loopback
+            return cls(400e12 if mixed_precision != "none" else 50e12, 300.0, 40.0, 8, 1e-4, 0.2, 3e-5, 1.5)
+        return cls(2e10, 1.0, 1.0, 1 << 16, 2e-3, 1.0, 2e-4, 3.0)  # one CPU core, gloo on loopback
 
 
 @dataclasses.dataclass
@@ -147,7 +151,10 @@ def step_seconds(spec: JobSpec, cfg, params: int, profile: DeviceProfile, flops_
 
     shard = dims.dp_shard * p.cp
     span = shard * p.tp
-    ag = _ring("all_gather", shard, stage_params * act_b) * (2 * micro if p.reshard_after_forward else 1)
+    # gathered in each micro-batch's forward and again in its backward (once, without resharding
+    # after forward); a pipeline stage stays gathered from its first micro-batch to its last
+    gathers = 1 if p.pp > 1 else micro * (2 if p.reshard_after_forward else 1)
+    ag = _ring("all_gather", shard, stage_params * act_b) * gathers
     rs = _ring("reduce_scatter", shard, stage_params * 4) * (micro if p.sync_every_micro_batch and p.pp == 1 else 1)
     fsdp = (ag + rs) / link(span)
     hsdp = _ring("all_reduce", dims.dp_replicate, stage_params * 4 / max(shard, 1)) / link(world // p.pp)
@@ -164,8 +171,19 @@ def step_seconds(spec: JobSpec, cfg, params: int, profile: DeviceProfile, flops_
     if p.cpu_offload:  # shards copied in for each all-gather, gradients out, the optimizer stepped on the host
         shard_bytes = stage_params / max(shard, 1) * 4
         offload = shard_bytes * (2 * micro + 1) / (profile.host_gbs * 1e9) + stage_params / max(shard, 1) * 20 / profile.host_flops
-    exposed = fsdp * profile.fsdp_exposed + hsdp + tp + cp + pp + ep + offload
-    return compute / (1 - bubble) + exposed + micro * profile.overhead_s
+    # messages, each paying the link's latency: fully_shard's per unit, tp's four per block, cp's
+    # ring steps, the pipeline's sends, the all-to-alls
+    units = block_layers + 1
+    messages = (units * (gathers + (micro if p.sync_every_micro_batch else 1)) if shard > 1 else 0)
+    messages += units if dims.dp_replicate > 1 else 0
+    messages += micro * (4 * block_layers + 4) if p.tp > 1 else 0
+    messages += micro * 3 * block_layers * (p.cp - 1)
+    messages += 2 * micro if p.pp > 1 else 0
+    messages += 4 * micro * block_layers if p.ep > 1 else 0
+    exposed = fsdp * profile.fsdp_exposed + hsdp + tp + cp + pp + ep + offload + messages * profile.latency_s
+    sharded = profile.sharded_overhead if (p.tp > 1 or p.cp > 1) else 1.0
+    overhead = micro * block_layers * recompute * profile.block_overhead_s * sharded
+    return compute / (1 - bubble) + exposed + overhead
 
 
 # ---- fitting ------------------------------------------------------------------------------------
@@ -325,13 +343,21 @@ def nearest_fits(spec: JobSpec, device_memory: int, device: str, profile: Device
     return fits[:most]
 
 
-def _divisors(n: int, cap: int) -> list[int]:
-    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+def _powers(n: int, cap: int) -> list[int]:
+    """The powers of two up to ``cap`` that divide ``n``."""
+    out, d = [], 1
+    while d <= min(n, cap) and n % d == 0:
+        out.append(d)
+        d *= 2
+    return out
 
 
-def candidates(spec: JobSpec, cfg) -> list[JobSpec]:
-    """Every layout of the job's workers the explicit fields allow (module doc), unchecked."""
+def candidates(spec: JobSpec, cfg, devices_per_node: int = 8) -> list[JobSpec]:
+    """Every layout of the job's workers the explicit fields allow (module doc), unchecked: powers
+    of two of tp, pp, cp, ep and the micro-batch count; dp_replicate 1, all the data ranks, or a
+    node's worth of shards per group."""
     p, t = spec.parallelism, spec.training
+    base = p.model_dump()
     fixed_p = p.model_fields_set - {"auto"}
     fixed_t = t.model_fields_set
     world = spec.resources.workers
@@ -342,38 +368,45 @@ def candidates(spec: JobSpec, cfg) -> list[JobSpec]:
     def choices(name: str, values):
         return [getattr(p, name)] if name in fixed_p else list(values)
 
-    tps = choices("tp", [d for d in _divisors(world, 8) if heads is None or heads % d == 0] if cfg is not None else [1])
-    pps = choices("pp", [d for d in _divisors(world, 8) if d <= layers] if cfg is not None else [1])
-    cps = choices("cp", [d for d in _divisors(world, 4) if spec.data.seq_len % (2 * d) == 0] if cfg is not None else [1])
+    tps = choices("tp", [d for d in _powers(world, 8) if heads is None or heads % d == 0] if cfg is not None else [1])
+    pps = choices("pp", [d for d in _powers(world, 8) if d <= layers] if cfg is not None else [1])
+    cps = choices("cp", [d for d in _powers(world, 4) if spec.data.seq_len % (2 * d) == 0] if cfg is not None else [1])
     acs = [t.activation_checkpointing] if "activation_checkpointing" in fixed_t else ["none", "selective", "full"]
     out = []
     for tp, pp, cp in itertools.product(tps, pps, cps):
         if world % (tp * pp * cp):
             continue
         data = world // (tp * pp * cp)
-        replicates = choices("dp_replicate", [r for r in _divisors(data, data) if r == 1 or r == data or data // r >= 2])
+        # fully_shard over all the data ranks, plain replicas, or HSDP with a node's worth in each shard group
+        node_shard = max(1, devices_per_node // (tp * cp))
+        replicates = choices("dp_replicate", sorted({1, data} | ({data // node_shard} if data % node_shard == 0 else set())))
         for replicate in replicates:
             if data % replicate:
                 continue
             shard = data // replicate
-            eps = choices("ep", [e for e in _divisors(shard, shard) if experts % e == 0] if experts else [1])
+            if "dp_shard" in fixed_p and p.dp_shard not in (-1, shard):
+                continue
+            eps = choices("ep", [e for e in _powers(shard, shard) if experts % e == 0] if experts else [1])
             for ep in eps:
                 dp = data
                 batch = spec.data.global_batch
-                micro_counts = [n for n in _divisors(batch // dp, 64)] if batch % dp == 0 else []
+                micro_counts = _powers(batch // dp, 32) if batch % dp == 0 else []
                 if "grad_accum" in fixed_t:
                     micro_counts = [t.grad_accum]
                 syncs = [p.sync_every_micro_batch] if "sync_every_micro_batch" in fixed_p else [False, True]
                 for accum, ac, sync in itertools.product(micro_counts, acs, syncs):
-                    if sync and (accum == 1 or pp > 1):
+                    if sync and (accum == 1 or pp > 1 or (tp > 1 and cp == 1 and data == 1)):  # tp alone: no fully_shard
                         continue
                     par = {"auto": False, "tp": tp, "pp": pp, "cp": cp, "dp_replicate": replicate, "dp_shard": shard, "ep": ep,
                            "sync_every_micro_batch": sync}  # fmt: skip
                     if pp == 1:
                         par.update(pp_microbatches=None, pp_layers_per_stage=None, pp_virtual_stages=1)
-                    candidate = _variant(spec, par, {"grad_accum": accum, "activation_checkpointing": ac})
-                    if candidate is not None:
-                        out.append(candidate)
+                    try:  # the parallelism section's own checks; the rest is the preflight's (_valid)
+                        parallelism = ParallelismSpec.model_validate({**base, **par})
+                    except ValueError:
+                        continue
+                    training = t.model_copy(update={"grad_accum": accum, "activation_checkpointing": ac})
+                    out.append(spec.model_copy(update={"parallelism": parallelism, "training": training}))
     return out
 
 
@@ -390,7 +423,7 @@ def _search(
     profile = profile or DeviceProfile.default(device, spec.parallelism.mixed_precision)
     rejected: list[tuple[str, str, float]] = []
     timed: list[Fit] = []
-    for candidate in candidates(spec, cfg):
+    for candidate in candidates(spec, cfg, profile.devices_per_node):
         why = _valid(candidate)
         if why is not None:
             rejected.append((layout_label(candidate), why, math.inf))
@@ -409,8 +442,13 @@ def _search(
         if device_memory is not None and est.peak > device_memory:
             rejected.append((fit.label, _over(fit.spec, est, device_memory), est.peak / device_memory))
             continue
+        try:  # every check of a spec (candidates are built past the cross-section ones)
+            checked = JobSpec.model_validate(fit.spec.model_dump(by_alias=True))
+        except ValueError as e:
+            rejected.append((fit.label, str(e).splitlines()[-1].strip(), math.inf))
+            continue
         fit.estimate = est
-        fit.spec = fit.spec.model_copy(update={"memory_estimate": est.record()})
+        fit.spec = checked.model_copy(update={"memory_estimate": est.record()})
         fits.append(fit)
         if len(fits) == want:
             break

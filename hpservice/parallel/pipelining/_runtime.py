@@ -171,12 +171,14 @@ class _Schedule:
             else:
                 state[("send_f", s, i)] = out.detach()
         elif a.kind is SEND_F:
+            pending[:] = [send for send in pending if not send.done()]  # their tensors go as they are sent
             pending.append(self._send(state.pop(("send_f", s, i)), s + 1, _tag(0, s + 1, i, self.n_microbatches)))
         elif a.kind is RECV_F:
             state[("recv_f", s, i)] = self._recv(s - 1, _tag(0, s, i, self.n_microbatches))
         elif a.kind is RECV_B:
             state[("recv_b", s, i)] = self._recv(s + 1, _tag(1, s, i, self.n_microbatches))
         elif a.kind is SEND_B:
+            pending[:] = [send for send in pending if not send.done()]
             pending.append(self._send(state.pop(("send_b", s, i)), s - 1, _tag(1, s - 1, i, self.n_microbatches)))
         elif a.kind in (B, I, W):
             self._backward(a, state)
@@ -277,6 +279,9 @@ class _Sends:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def _tag(direction: int, to_stage: int, microbatch: int, n_microbatches: int) -> int:
