@@ -63,7 +63,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("estimated_peak_gib", "GiB", "rank 0's peak memory as estimated before the job started (docs/memory.md)",
            when="jobs planned by validate, run or submit"),
     Metric("peak_memory_per_rank_gib", "GiB", "each rank's peak in the step (CUDA allocated, else resident) and "
-           "its estimate: {rank: [measured, estimated]}", kind="table"),
+           "its estimate where the job was planned: {rank: [measured, estimated]}", kind="table"),
     Metric("peak_rss_gib", "GiB", "rank 0's resident memory high-water mark"),
     Metric("trainable_params", "", "parameters the optimizer trains (a LoRA run: its adapters)"),
     Metric("total_params", "", "parameters of the whole model"),

@@ -46,7 +46,24 @@ import dataclasses
 import math
 from collections import OrderedDict
 
-__all__ = ["COMPONENTS", "MemoryEstimate", "RankMemory", "estimate"]
+__all__ = ["COMPONENTS", "MAX_BLOCKS", "MemoryEstimate", "RankMemory", "estimate", "too_large_to_estimate"]
+
+MAX_BLOCKS = 512
+"""Blocks the estimate lays out on the meta device (the deepest real models have about 130): a
+spec with more (admissible by the size floor when its blocks are tiny) would cost the server a
+build of every one at submit, so it is not estimated."""
+
+
+def too_large_to_estimate(spec) -> str | None:
+    """Why ``spec``'s model is not estimated (more than ``MAX_BLOCKS`` blocks, from its config
+    alone: nothing built), or None."""
+    from hpservice.preflight import known_config
+
+    cfg = known_config(spec)
+    blocks = getattr(cfg, "n_layers", None)
+    if isinstance(blocks, int) and blocks > MAX_BLOCKS:
+        return f"the model has {blocks} blocks, more than the {MAX_BLOCKS} the memory planner lays out"
+    return None
 
 PERSISTENT = ("parameters", "gradients", "optimizer state", "fully_shard buffers", "DPO reference")
 TRANSIENT = ("gathered parameters and gradients", "activations and loss", "optimizer step temporaries")
@@ -155,6 +172,9 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
     import torch
 
     from ._activations import formula_bytes
+
+    if (why := too_large_to_estimate(spec)) is not None:
+        raise ValueError(why)
 
     p, t = spec.parallelism, spec.training
     from hpservice.parallel_dims import ParallelDims

@@ -239,7 +239,9 @@ def check_fit(
 
         deadline = time.monotonic() + SUGGEST_BUDGET_S
         workers = spec.resources.workers
-        tries = [(1, False), (2, False), (4, False)] + ([(1, True), (2, True)] if device == "cuda" else [])
+        # the job's own workers first, offloading where there is host memory to offload to, then more workers
+        offloads = (False, True) if device == "cuda" else (False,)
+        tries = [(factor, offload) for factor in (1, 2, 4) for offload in offloads]
         for factor, offload in tries:
             left = deadline - time.monotonic()
             if left <= 0 or workers * factor > MAX_SUGGESTED_WORKERS:
@@ -463,6 +465,10 @@ def choose_layout(
     """``parallelism: auto`` (module doc): (the chosen layout, the runner-up or None); the chosen
     spec has ``auto`` false and its estimate. A ``SpecError`` naming the closest rejected layouts
     when nothing fits."""
+    from .estimate import too_large_to_estimate
+
+    if (why := too_large_to_estimate(spec)) is not None:
+        raise SpecError(f"job spec: parallelism: auto\n  parallelism: auto: {why}; set the layout", [("parallelism", f"auto: {why}; set the layout")])
     try:
         fits, rejected = _search(spec, device_memory, device, profile, want=2, budget_s=budget_s)
     except SpecError:

@@ -402,8 +402,8 @@ class Trainer:
         estimate = self.spec.memory_estimate
         per_pp = [r["peak_gib"] for r in estimate["ranks"]] if estimate else []
         pp_of = self.parallel_dims.pp_rank_of if per_pp else None
-        out = {"peak_memory_per_rank_gib": {
-            str(r): [round(float(p), 4), per_pp[pp_of(r)] if pp_of else None] for r, p in enumerate(peaks.tolist())
+        out = {"peak_memory_per_rank_gib": {  # [measured], and its estimate where the job was planned
+            str(r): [round(float(p), 4), *([per_pp[pp_of(r)]] if pp_of else [])] for r, p in enumerate(peaks.tolist())
         }}  # fmt: skip
         if per_pp:
             out["estimated_peak_gib"] = per_pp[pp_of(self.rank)]

@@ -121,18 +121,25 @@ def test_layout_checks_build_nothing_and_refuse_before_spending(tmp_path, models
     with _client(tmp_path, data_roots=(models,)) as c:
         _refused(c, _spec(parallelism={"pp": 2, "pp_microbatches": 10**6}, resources=TWO_WORKERS),
                  "parallelism.pp_microbatches", "more than 4096")  # fmt: skip
-        interleaved = {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 25}
-        for spec in (
-            _spec(model={"overrides": {"n_layers": 100}}, parallelism=interleaved, resources=TWO_WORKERS),
+        for spec in (  # thousands of (tiny) blocks: admitted by the size floor, not laid out to estimate them
             _spec(model={"overrides": {"n_layers": 3000}}, parallelism={"pp": 2}, resources=TWO_WORKERS),
             _spec(model={"init_from": str(models / "m")}, parallelism={"pp": 2}, resources=TWO_WORKERS),
         ):
-            assert c.post("/v1/jobs", json=spec, headers=_auth(ALICE)).status_code == 201
+            r = c.post("/v1/jobs", json=spec, headers=_auth(ALICE))
+            assert r.status_code == 201 and r.json()["spec"]["memory_estimate"] is None
+        _refused(c, _spec(model={"overrides": {"n_layers": 3000}}, parallelism={"auto": True}, resources=TWO_WORKERS),
+                 "parallelism", "the model has 3000 blocks, more than the 512")  # fmt: skip
         # the split is still checked, by counting: 3 blocks cannot make 2 x 2 stages
         _refused(c, _spec(model={"overrides": {"n_layers": 3}}, resources=TWO_WORKERS,
                           parallelism={"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}),
                  "parallelism.pp", "4 stages", "the model has 3 blocks")  # fmt: skip
-    assert modules_built == []
+        assert modules_built == []
+        # within the bound, the admitted job is estimated: its model built on the meta device
+        interleaved = {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 25}
+        r = c.post("/v1/jobs", json=_spec(model={"overrides": {"n_layers": 100}}, parallelism=interleaved,
+                                          resources=TWO_WORKERS), headers=_auth(ALICE))  # fmt: skip
+        assert r.status_code == 201 and r.json()["spec"]["memory_estimate"]["ranks"][1]["ranks"].startswith("pp rank 1")
+    assert modules_built.count("Llama") >= 1
 
 
 # ---- 3. a FIFO (or device) is never opened for reading, and a stuck validation stalls nobody ---

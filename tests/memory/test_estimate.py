@@ -62,8 +62,7 @@ def test_the_tracker_follows_storage_resizes_and_frees():
 
 # (family, workers, parallelism, training, lora): one of each layout kind, on the models the
 # bench grid uses; the grid itself (48 + 8 configurations) is python -m hpservice.bench memory
-CASES = {
-    "1 rank": ("llama", 1, {}, {}, False),
+CASES = {  # one rank without checkpointing: tests/bench/test_bench_memory.py
     "1 rank, AC full, LoRA": ("qwen3", 1, {}, {"activation_checkpointing": "full"}, True),
     "fsdp 2, accum 2": ("llama", 2, {}, {"grad_accum": 2}, False),
     "tp 2, AC selective": ("qwen3", 2, {"tp": 2}, {"activation_checkpointing": "selective"}, False),

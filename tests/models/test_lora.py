@@ -41,11 +41,21 @@ def _adapter(base, out, r=4, alpha=8.0, targets=TARGETS):
     return out
 
 
+_CHECKPOINTS: dict[str, tuple] = {}
+
+
+def _checkpoint(family: str, tmp_path_factory) -> tuple:
+    """A tiny Hugging Face base of ``family`` and a PEFT adapter for it, made once per session."""
+    if family not in _CHECKPOINTS:
+        tmp = tmp_path_factory.mktemp(f"lora-{family}")
+        base = _hf_model(tmp / "base", family)
+        _CHECKPOINTS[family] = (base, _adapter(base, tmp / "adapter"))
+    return _CHECKPOINTS[family]
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def checkpoint(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"lora-{request.param}")
-    base = _hf_model(tmp / "base", request.param)
-    return base, _adapter(base, tmp / "adapter")
+    return _checkpoint(request.param, tmp_path_factory)
 
 
 def _spec(tmp, base, adapter, parallelism=None, steps=STEPS, training=None, checkpoint=None, **model):
@@ -137,11 +147,17 @@ def test_logits_with_an_imported_peft_adapter_equal_peft(checkpoint):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("world", "parallelism"), [(1, {}), (2, {"dp_shard": 2}), (2, {"tp": 2}), (2, {"pp": 2}), (4, {"dp_shard": 2, "tp": 2}),
-                          (2, {"dp_shard": 2, "training": {"activation_checkpointing": "full"}})],
-                         ids=["one", "fsdp2", "tp2", "pp2", "fsdp2-tp2", "fsdp2-ac"])
-def test_training_an_adapter_equals_peft_and_adamw_in_one_process(ranks, tmp_path, checkpoint, world, parallelism):
-    base, adapter = checkpoint
+_LAYOUTS = {"one": (1, {}), "fsdp2": (2, {"dp_shard": 2}), "tp2": (2, {"tp": 2}), "pp2": (2, {"pp": 2}),
+            "fsdp2-tp2": (4, {"dp_shard": 2, "tp": 2}), "fsdp2-ac": (2, {"dp_shard": 2, "training": {"activation_checkpointing": "full"}})}  # fmt: skip
+# every layout on Qwen3 (the everyday fine-tuning family); Llama's naming and rotary layout on the
+# layouts that move its tensors differently (one process, fully_shard, pipeline stages)
+_CASES = [("qwen3", name) for name in _LAYOUTS] + [("llama", name) for name in ("one", "fsdp2", "pp2")]
+
+
+@pytest.mark.parametrize(("family", "layout"), _CASES, ids=[f"{f}-{n}" for f, n in _CASES])
+def test_training_an_adapter_equals_peft_and_adamw_in_one_process(ranks, tmp_path, tmp_path_factory, family, layout):
+    base, adapter = _checkpoint(family, tmp_path_factory)
+    world, parallelism = _LAYOUTS[layout]
     parallelism = dict(parallelism)
     training = parallelism.pop("training", None)
     outs = ranks(world).run(_train, _spec(tmp_path, base, adapter, parallelism, training=training))

@@ -13,6 +13,7 @@ import pytest
 
 from hpservice.actors.gauges import JobGauges
 from hpservice.metrics import METRICS, SINKS, progress_line, scalars, step_record
+from hpservice.preflight import plan_memory
 
 from .._jobs import tiny_llama_job
 from .._jobs import train as _run
@@ -37,6 +38,7 @@ def moe_run(ranks, tmp_path_factory):
         eval={"data": {"kind": "synthetic", "seq_len": 32, "global_batch": 8, "seed": 7}, "interval": 2, "steps": 1},
         metrics={"tensorboard": True, "mlflow": {"experiment": "sinks"}, "wandb": {"project": "sinks"}},
     )
+    spec = plan_memory(spec, device_memory=None, device="cpu")  # as run / submit plan it: its estimate is reported
     history = ranks(1).run(_run, spec)[0]
     (run_dir,) = tmp.glob("sinks-*/")
     return history, run_dir
