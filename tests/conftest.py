@@ -51,6 +51,8 @@ LONGEST_FIRST = (
     "tests/models/test_moe.py",
     "tests/bench/test_bench_service.py",
     "tests/bench/test_bench_trainer.py",
+    "tests/test_lora_chat_example.py",
+    "tests/test_dpo_example.py",
     "tests/test_cli_run.py",
     "tests/test_finetune_example.py",
     "tests/api/test_serve_restart.py",
@@ -58,6 +60,10 @@ LONGEST_FIRST = (
     "tests/api/test_replicas.py",
     "tests/actors/test_supervisor.py",
     "tests/compat/test_dtensor_recipes.py",
+    "tests/test_sft_chat_example.py",
+    "tests/models/test_lora.py",
+    "tests/memory/test_estimate.py",
+    "tests/memory/test_plan.py",
 )
 
 
