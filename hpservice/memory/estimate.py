@@ -171,14 +171,14 @@ def estimate(spec, *, device: str = "cuda") -> MemoryEstimate:
     ``init_from``, its config.json."""
     import torch
 
+    from hpservice.parallel_dims import ParallelDims
+
     from ._activations import formula_bytes
 
     if (why := too_large_to_estimate(spec)) is not None:
         raise ValueError(why)
 
     p, t = spec.parallelism, spec.training
-    from hpservice.parallel_dims import ParallelDims
-
     dims = ParallelDims.from_spec(p, spec.resources.workers)
     fsdp = bool(dims.fsdp_dim_names)
     shard_ranks = dims.dp_shard * dims.cp if fsdp else 1
