@@ -395,10 +395,10 @@ class Trainer:
 
     def _peaks_per_rank(self, values: dict) -> dict:
         """Every rank's measured peak of the step beside its estimate (``spec.memory_estimate``:
-        one entry per pp rank): one all-gather of a number per rank."""
-        mine = values.get("peak_memory_allocated_gib", values["peak_rss_gib"])
+        one entry per pp rank): one all-reduce of a number per rank."""
         peaks = torch.zeros(self.world, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(peaks, torch.tensor([mine], dtype=torch.float64, device=self.device))
+        peaks[self.rank] = values.get("peak_memory_allocated_gib", values["peak_rss_gib"])
+        dist.all_reduce(peaks)  # each rank's own entry, the others zero
         estimate = self.spec.memory_estimate
         per_pp = [r["peak_gib"] for r in estimate["ranks"]] if estimate else []
         pp_of = self.parallel_dims.pp_rank_of if per_pp else None
