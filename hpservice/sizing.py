@@ -30,7 +30,7 @@ import math
 from hpservice.models import LlamaConfig, MLPConfig
 from hpservice.parallel_dims import ParallelDims
 
-__all__ = ["MAX_TENSOR_ELEMENTS", "largest_tensor", "memory_floor", "param_count", "token_floor"]
+__all__ = ["MAX_TENSOR_ELEMENTS", "largest_tensor", "memory_floor", "micro_rows", "param_count", "token_floor"]
 
 MAX_TENSOR_ELEMENTS = 1 << 33
 """The default cap on one tensor (8.6e9 elements, 32 GiB in fp32): DeepSeek-V3's stacked experts of
@@ -73,13 +73,20 @@ def largest_tensor(cfg) -> tuple[str, int]:
     return max(candidates.items(), key=lambda kv: kv[1])
 
 
-def _micro_tokens(spec) -> tuple[ParallelDims, int]:
-    """The parallel dims, and the tokens of one rank's micro-batch."""
+def micro_rows(spec) -> int:
+    """Rows (sequences) of one rank's micro-batch; a preference pair (DPO) is two."""
     p = spec.parallelism
     dims = ParallelDims.from_spec(p, spec.resources.workers)
     micro = p.microbatches(spec.training.grad_accum) if p.pp > 1 else spec.training.grad_accum
     rows = max(1, spec.data.global_batch // (dims.dp_size * micro))
-    return dims, rows * math.ceil(spec.data.seq_len / p.cp)
+    return 2 * rows if spec.objective.kind == "dpo" else rows
+
+
+def _micro_tokens(spec) -> tuple[ParallelDims, int]:
+    """The parallel dims, and the tokens of one rank's micro-batch."""
+    p = spec.parallelism
+    dims = ParallelDims.from_spec(p, spec.resources.workers)
+    return dims, micro_rows(spec) * math.ceil(spec.data.seq_len / p.cp)
 
 
 def token_floor(spec, vocab_size: int | None) -> dict[str, int]:

@@ -48,6 +48,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from hpservice.memory.plan import ring_bytes
 from hpservice.models.llama import LLAMA_FLAVORS, LlamaConfig
 
 from .plan_moe import MOE_MODELS, moe_plan
@@ -164,12 +165,6 @@ def block_activation_elements(config: LlamaConfig, tokens: int, tp: int) -> int:
     kv = config.n_kv_heads * config.head_dim
     return tokens * (4 * h + (h + 2 * kv + h + 4 * f) // tp)
 
-
-def _ring(kind: str, n: int, nbytes: float) -> float:
-    """Bytes one rank sends in a ring ``kind`` over ``n`` ranks whose full result is ``nbytes``."""
-    if n <= 1:
-        return 0.0
-    return nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
 
 
 def plan(
@@ -290,7 +285,7 @@ def plan(
     for c in collectives.values():
         if c["group"] <= 1:
             c["bytes"] = 0
-        c["sent_bytes"] = _ring(c["kind"], c["group"], c["bytes"])
+        c["sent_bytes"] = ring_bytes(c["kind"], c["group"], c["bytes"])
         bandwidth = links.nvlink_gbs if c["link"] == "nvlink" else links.ib_gbs
         c["seconds"] = c["sent_bytes"] / (bandwidth * 1e9)
     if pipeline is not None:  # activations forward, their gradients back, at each boundary rank 0 owns

@@ -31,13 +31,10 @@ communication with compute, no dropped tokens.
 
 from __future__ import annotations
 
+from hpservice.memory.plan import ring_bytes
+
 _STATE_BYTES = 16  # fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq
 
-
-def _ring(kind: str, n: int, nbytes: float) -> float:
-    if n <= 1:
-        return 0.0
-    return nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
 
 
 def moe_plan(family: str, flavor: str, *, gpus: int, gpus_per_node: int, tp: int, dp_shard: int | None, ep: int,
@@ -71,12 +68,12 @@ def moe_plan(family: str, flavor: str, *, gpus: int, gpus_per_node: int, tp: int
     mod_ep, replicas = dp_shard // ep, dp // dp_shard
     experts_gathered = expert_params / ep  # a rank's E / ep experts, unsharded
     experts_per_rank = experts_gathered / mod_ep
-    expert_fsdp = 2 * _ring("all_gather", mod_ep, experts_gathered * param_bytes) + _ring(
+    expert_fsdp = 2 * ring_bytes("all_gather", mod_ep, experts_gathered * param_bytes) + ring_bytes(
         "reduce_scatter", mod_ep, experts_gathered * 4
     )
-    expert_replicas = _ring("all_reduce", replicas, experts_per_rank * 4)
+    expert_replicas = ring_bytes("all_reduce", replicas, experts_per_rank * 4)
     gathered = (dense - tp_split) + tp_split / tp  # one rank's unsharded dense parameters (tp pieces)
-    fsdp_bytes = 2 * _ring("all_gather", dp_shard, gathered * param_bytes) + _ring("reduce_scatter", dp_shard, gathered * 4)
+    fsdp_bytes = 2 * ring_bytes("all_gather", dp_shard, gathered * param_bytes) + ring_bytes("reduce_scatter", dp_shard, gathered * 4)
     fsdp_gbs = nvlink_gbs if dp_shard * tp <= gpus_per_node else ib_gbs
     gib = 2**30
     return {

@@ -46,6 +46,8 @@ import dataclasses
 import math
 from collections import OrderedDict
 
+from hpservice.sizing import micro_rows
+
 __all__ = ["COMPONENTS", "MAX_BLOCKS", "MemoryEstimate", "RankMemory", "estimate", "too_large_to_estimate"]
 
 MAX_BLOCKS = 512
@@ -142,17 +144,6 @@ class MemoryEstimate:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.1f} MiB"
-
-
-def micro_rows(spec) -> int:
-    """Rows (sequences) of one rank's micro-batch: a preference pair is two."""
-    from hpservice.parallel_dims import ParallelDims
-
-    p = spec.parallelism
-    dims = ParallelDims.from_spec(p, spec.resources.workers)
-    micro = p.microbatches(spec.training.grad_accum) if p.pp > 1 else spec.training.grad_accum
-    rows = max(1, spec.data.global_batch // (dims.dp_size * micro))
-    return 2 * rows if spec.objective.kind == "dpo" else rows
 
 
 def _pipeline_held(spec) -> dict[int, int]:
@@ -310,37 +301,57 @@ def _model_key(spec) -> tuple:
     return (spec.model.model_dump_json(), tuple(spec.training.freeze), spec.data.seq_len, spec.parallelism.cp > 1)
 
 
+def meta_model_of(spec) -> tuple:
+    """The trainer's whole meta model of ``spec`` (``_layout.meta_model``: bundle, model, frozen
+    names), built once per model and kept with the estimates' other facts; not to be changed."""
+    from ._layout import meta_model
+
+    return _cached(("meta", *_model_key(spec)), lambda: meta_model(spec))
+
+
+def _layout_key(spec, pp_rank: int) -> tuple:
+    """What one pp rank's narrowed parts depend on: the model and the tp, pp and ep layout."""
+    p = spec.parallelism
+    return (*_model_key(spec), p.tp, p.sequence_parallel, p.pp, p.pp_virtual_stages, tuple(p.pp_layers_per_stage or ()), p.ep, pp_rank)
+
+
 def _stage_facts(spec, pp_rank: int, shard_ranks: int, nf4: bool, seq: int, trace_device: str) -> list:
     """``(stage, fully_shard units, per-row (saved, peak) or why not traced)`` of each of the pp
     rank's stages. The meta model, each layout's units and each trace are cached apart: the
     estimates of one job's many layouts (``parallelism: auto``) share most of them."""
     from ._activations import trace_blocks
-    from ._layout import fsdp_units, meta_model, rank_parts
+    from ._layout import fsdp_units, rank_parts
 
     p, t = spec.parallelism, spec.training
-    model = _model_key(spec)
-    layout = (model, p.tp, p.sequence_parallel, p.pp, p.pp_virtual_stages, tuple(p.pp_layers_per_stage or ()), p.ep, pp_rank)
+    layout = _layout_key(spec, pp_rank)
     trace = (t.activation_checkpointing, t.selective_every, p.mixed_precision, seq, trace_device)
     units_key, trace_key = ("units", *layout, shard_ranks, nf4), ("trace", *layout, *trace)
     last_stage = p.pp * p.pp_virtual_stages - 1
-    if units_key not in _CACHE or trace_key not in _CACHE or isinstance(_CACHE.get(units_key), _Failed):
-        meta = _cached(("meta", *model), lambda: meta_model(spec))
-        _, stages, frozen = _cached(("parts", *layout), lambda: rank_parts(spec, pp_rank, meta))
-        _cached(units_key, lambda: [fsdp_units(part, frozen, shard_ranks, p.ep, nf4) for _, part in stages])
-        _cached(trace_key, lambda: [
+
+    def parts():
+        return _cached(("parts", *layout), lambda: rank_parts(spec, pp_rank, meta_model_of(spec)))
+
+    def build_units() -> list:
+        _, stages, frozen = parts()
+        return [fsdp_units(part, frozen, shard_ranks, p.ep, nf4) for _, part in stages]
+
+    def build_traces() -> list:
+        _, stages, frozen = parts()
+        return [
             (stage, trace_blocks(part, spec, frozen, first=stage == 0, last=stage == last_stage, rows=1, seq=seq,
                                  dim=part.cfg.dim if hasattr(part, "cfg") else 0, device=trace_device))
             for stage, part in stages
-        ])  # fmt: skip
-    units, traces = _cached(units_key, list), _cached(trace_key, list)
+        ]  # fmt: skip
+
+    units, traces = _cached(units_key, build_units), _cached(trace_key, build_traces)
     return [(stage, u, traced) for u, (stage, traced) in zip(units, traces, strict=True)]
 
 
 def _stage_config(spec, pp_rank: int, stage: int):
-    """(config, blocks) of one stage, for the formula."""
-    from ._layout import meta_model, rank_parts
+    """(config, blocks) of one stage, for the formula: from the layout ``_stage_facts`` cached."""
+    from ._layout import rank_parts
 
-    _, stages, _ = rank_parts(spec, pp_rank, _cached(("meta", *_model_key(spec)), lambda: meta_model(spec)))
+    _, stages, _ = _cached(("parts", *_layout_key(spec, pp_rank)), lambda: rank_parts(spec, pp_rank, meta_model_of(spec)))
     part = dict(stages)[stage]
     return part.cfg, len(getattr(part, "layers", []) or [])
 

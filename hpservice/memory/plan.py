@@ -114,7 +114,9 @@ def layout_label(spec: JobSpec) -> str:
 # ---- the cost model ------------------------------------------------------------------------------
 
 
-def _ring(kind: str, n: int, nbytes: float) -> float:
+def ring_bytes(kind: str, n: int, nbytes: float) -> float:
+    """Bytes one rank sends in a ring ``kind`` over ``n`` ranks whose full result is ``nbytes``:
+    all-gather and reduce-scatter ``(n-1)/n`` of it, all-reduce twice that."""
     if n <= 1:
         return 0.0
     return nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
@@ -154,14 +156,14 @@ def step_seconds(spec: JobSpec, cfg, params: int, profile: DeviceProfile, flops_
     # gathered in each micro-batch's forward and again in its backward (once, without resharding
     # after forward); a pipeline stage stays gathered from its first micro-batch to its last
     gathers = 1 if p.pp > 1 else micro * (2 if p.reshard_after_forward else 1)
-    ag = _ring("all_gather", shard, stage_params * act_b) * gathers
-    rs = _ring("reduce_scatter", shard, stage_params * 4) * (micro if p.sync_every_micro_batch and p.pp == 1 else 1)
+    ag = ring_bytes("all_gather", shard, stage_params * act_b) * gathers
+    rs = ring_bytes("reduce_scatter", shard, stage_params * 4) * (micro if p.sync_every_micro_batch and p.pp == 1 else 1)
     fsdp = (ag + rs) / link(span)
-    hsdp = _ring("all_reduce", dims.dp_replicate, stage_params * 4 / max(shard, 1)) / link(world // p.pp)
+    hsdp = ring_bytes("all_reduce", dims.dp_replicate, stage_params * 4 / max(shard, 1)) / link(world // p.pp)
     block_layers = layers / p.pp
-    tp = _ring("all_reduce", p.tp, 4 * block_layers * tokens_micro * dim * act_b) * micro / link(p.tp)
+    tp = ring_bytes("all_reduce", p.tp, 4 * block_layers * tokens_micro * dim * act_b) * micro / link(p.tp)
     kv = 2 * getattr(cfg, "n_kv_heads", getattr(cfg, "n_heads", 1)) * getattr(cfg, "head_dim", dim) if cfg is not None else dim
-    cp = 3 * block_layers * _ring("all_gather", p.cp, tokens_micro * p.cp * kv * act_b / p.tp) * micro / link(p.cp * p.tp)
+    cp = 3 * block_layers * ring_bytes("all_gather", p.cp, tokens_micro * p.cp * kv * act_b / p.tp) * micro / link(p.cp * p.tp)
     pp = 2 * tokens_micro * dim * act_b * micro * 2 / link(world // p.pp + 1) if p.pp > 1 else 0.0
     ep = 0.0
     if p.ep > 1 and cfg is not None and getattr(cfg, "num_experts", 0):
@@ -190,15 +192,13 @@ def step_seconds(spec: JobSpec, cfg, params: int, profile: DeviceProfile, flops_
 
 
 def _model_facts(spec: JobSpec):
-    """(config or None, parameter count, flops_per_token or None) of the job's model, on the meta device."""
-    from hpservice.models import MODEL_SPECS, build_model, resolve_name
+    """(config or None, parameter count, flops_per_token or None) of the job's model: the meta
+    model the estimates build (and cache), not a second build."""
+    from .estimate import meta_model_of
 
-    m = spec.model
-    name = resolve_name(m.name, m.init_from)
-    model = build_model(name, m.flavor, m.overrides, device="meta", init_from=m.init_from)
-    params = sum(p.numel() for p in model.parameters())
-    bundle = MODEL_SPECS.get(name)
-    return getattr(model, "cfg", None), params, bundle.flops_per_token if bundle is not None else None
+    bundle, whole, _ = meta_model_of(spec)
+    params = sum(p.numel() for p in whole.parameters())
+    return getattr(whole, "cfg", None), params, bundle.flops_per_token
 
 
 def _estimate(spec: JobSpec, device: str) -> MemoryEstimate | str:

@@ -822,6 +822,7 @@ class JobSpec(_Section):
                 "resources": self.resources.model_copy(update={"workers": workers}),
                 "parallelism": parallelism,
                 "training": t.model_copy(update={"grad_accum": accum}),
+                "memory_estimate": None,  # it was the other layout's
             }
         )
 

@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_job(args.job, args.set)
         # torchrun gives the world size, so the layout is checked at start; the rest is knowable now
         raise_if(check_model(spec) + check_inputs(spec) + check_devices(spec), args.job)
-        if spec.parallelism.auto:  # every rank chooses alike: the same inputs, no time budget
-            spec = _choose_layout(spec)
+        # every rank plans alike (the same inputs, no time budget): auto's layout, and the estimate
+        # reported beside each step's peaks in place of whatever the file says
+        spec = _plan(spec)
     except SpecError as e:
         print(e, file=sys.stderr)
         return ExitCode.USAGE
@@ -37,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     return ExitCode.OK
 
 
-def _choose_layout(spec):
-    """``parallelism: auto`` under torchrun: the world it gave, this machine's devices."""
+def _plan(spec):
+    """The memory plan under torchrun (``parallelism: auto`` included): the world it gave, this
+    machine's devices."""
     import os
 
     import torch
